@@ -1,0 +1,1 @@
+"""Cluster side of specserve: configuration, app building, CLI and entrypoints."""

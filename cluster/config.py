@@ -1,0 +1,189 @@
+"""The typed schema of cluster.yaml, validated once at the edge.
+
+Every model here forbids unknown keys, so a typo such as ``pools.draft.replicsa`` is an
+error that names its path instead of a silently ignored setting. Relative model paths are
+resolved against the folder of the config file; nothing else in the project re-reads YAML.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_CONFIG_FILE = "cluster.yaml"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(Strict):
+    path: Path = Field(description="Local Hugging Face-format model folder (relative to cluster.yaml).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and activations dtype on the replica.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' takes a GPU when the replica was given one, else the CPU.")
+    placeholder: Literal["target", "draft"] | None = Field(
+        None, description="If the folder is missing, build an UNTRAINED random placeholder model of "
+                          "this role there (for a first start before real weights exist).")
+
+
+class ModelsConfig(Strict):
+    target: ModelSpec
+    draft: ModelSpec
+
+
+class Resources(Strict):
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per replica (per shard for the target).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs reserved per replica (per shard for the target).")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources naming node kinds, e.g. {small_gpu: 1}.")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.custom:
+            options["resources"] = dict(self.custom)
+        return options
+
+
+class KVCacheConfig(Strict):
+    max_sequences: int = Field(
+        64, ge=1, description="Sequences whose KV cache a replica keeps; the least recently used is "
+                              "dropped beyond this and rebuilt from token ids on its next call.")
+
+
+class DraftPoolConfig(Strict):
+    replicas: int = Field(1, ge=1)
+    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+
+
+class TargetPoolConfig(Strict):
+    replicas: int = Field(1, ge=1)
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel shards per replica.")
+    resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+
+    @field_validator("tp_size")
+    @classmethod
+    def only_single_shard_for_now(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("tensor parallelism is not implemented yet: tp_size must be 1")
+        return value
+
+
+class RouterPoolConfig(Strict):
+    replicas: int = Field(1, ge=1)
+    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.1))
+
+
+class PoolsConfig(Strict):
+    router: RouterPoolConfig = Field(default_factory=RouterPoolConfig)
+    draft: DraftPoolConfig = Field(default_factory=DraftPoolConfig)
+    target: TargetPoolConfig = Field(default_factory=TargetPoolConfig)
+
+
+class SpeculationConfig(Strict):
+    enabled: bool = Field(True, description="Speculate unless a request turns it off.")
+    k: int = Field(4, ge=1, description="Draft tokens per round unless a request fixes k.")
+    max_k: int = Field(16, ge=1, description="Largest k a request may ask for.")
+
+    @model_validator(mode="after")
+    def k_within_max(self) -> "SpeculationConfig":
+        if self.k > self.max_k:
+            raise ValueError(f"k ({self.k}) must not exceed max_k ({self.max_k})")
+        return self
+
+
+class ServerConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    model_name: str = Field("specserve", description="The model id clients send and /v1/models lists.")
+
+
+class LimitsConfig(Strict):
+    max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
+    context_length: int = Field(2048, ge=2, description="Prompt plus completion, in tokens.")
+
+    @model_validator(mode="after")
+    def default_within_cap(self) -> "LimitsConfig":
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError("default_max_tokens must not exceed max_tokens")
+        return self
+
+
+class ClusterConfig(Strict):
+    models: ModelsConfig
+    pools: PoolsConfig = Field(default_factory=PoolsConfig)
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+
+class ConfigError(Exception):
+    """cluster.yaml is unreadable or invalid; ``problems`` holds one line per problem."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+def _key_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _describe(error: dict[str, Any]) -> str:
+    if error["type"] == "extra_forbidden":
+        return f"{_key_path(error['loc'])}: unknown key"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{_key_path(error['loc'])}: {message}"
+
+
+def _resolve_model_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
+    def resolved(spec: ModelSpec) -> ModelSpec:
+        path = spec.path if spec.path.is_absolute() else (base / spec.path)
+        return spec.model_copy(update={"path": path.resolve()})
+
+    models = ModelsConfig(target=resolved(config.models.target), draft=resolved(config.models.draft))
+    return config.model_copy(update={"models": models})
+
+
+def _model_folder_problems(config: ClusterConfig) -> list[str]:
+    problems = []
+    for role in ("target", "draft"):
+        spec: ModelSpec = getattr(config.models, role)
+        if spec.placeholder is None and not (spec.path / "config.json").is_file():
+            what = "missing model directory" if not spec.path.exists() else "no config.json in"
+            problems.append(f"models.{role}.path: {what} {spec.path}")
+    return problems
+
+
+def parse_config(data: Any, base: Path, source: str = "<config>") -> ClusterConfig:
+    """Validate already-parsed YAML data; raise ConfigError listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["(top level): expected a mapping of keys"])
+    try:
+        config = ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, [_describe(e) for e in exc.errors()]) from None
+    config = _resolve_model_paths(config, base)
+    problems = _model_folder_problems(config)
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def load_config(path: str | Path = DEFAULT_CONFIG_FILE) -> ClusterConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
+    return parse_config(data, base=path.resolve().parent, source=str(path))

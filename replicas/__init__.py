@@ -1,0 +1,1 @@
+"""Model replicas: loading, KV caches, draft proposal, target verification, deployments."""

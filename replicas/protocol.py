@@ -1,0 +1,43 @@
+"""Messages between the router and the pools. Each call carries the sequence's full token
+ids, so any replica can serve it: a cache only saves work, it is never needed for an answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replicas.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    seq_id: str
+    tokens: list[int]          # prompt + generated so far
+    k: int                     # draft tokens wanted
+    sampling: SamplingParams
+    seed: int                  # seeds this call's sampling; derived per round by the router
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]                 # k draft ids
+    probs: torch.Tensor | None        # q [k, V] they were sampled from; None when greedy
+    positions_fed: int                # positions the draft model computed for this call
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    seq_id: str
+    tokens: list[int]                 # prompt + generated so far (the drafts not included)
+    draft_tokens: list[int]           # k >= 0 drafts to check; none gives a plain target step
+    draft_probs: torch.Tensor | None  # q [k, V], None when the drafts were greedy
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class Verification:
+    accepted: int              # leading drafts kept
+    tokens: list[int]          # accepted drafts + one recovered or bonus token
+    positions_fed: int         # positions the target model computed for this sequence

@@ -1,0 +1,56 @@
+"""Turning logits into the distribution a request samples from, and sampling from it.
+
+The target distribution p and the draft distribution q are both *warped* distributions:
+logits / temperature, then top-k, then top-p (the order Hugging Face applies them).
+Speculative sampling is exact with respect to the warped target distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_p: float = 1.0        # nucleus mass kept, in (0, 1]
+    top_k: int = 0            # tokens kept; 0 keeps all
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> probabilities [n, V] (float32) of the sampled, non-greedy distribution."""
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        probs = _nucleus(probs, params.top_p)
+    return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """probs [V] -> one token id."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed % (2**63))

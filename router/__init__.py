@@ -1,0 +1,1 @@
+"""The OpenAI-compatible ingress and the per-request speculation loop."""

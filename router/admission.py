@@ -1,0 +1,86 @@
+"""From a parsed OpenAI body to a Generation: tokenise, check the limits of this cluster,
+choose k. Everything that can be wrong with a request is found here, before any model work."""
+
+from __future__ import annotations
+
+import secrets
+
+from cluster.config import ClusterConfig
+from replicas.sampling import SamplingParams
+from router.errors import bad_request, model_not_found
+from router.openai_protocol import ChatBody, ChatMessage, CompletionBody, _GenerationBody
+from router.speculation import Generation
+
+# Used when the tokenizer has no chat template of its own.
+PLAIN_CHAT_TEMPLATE_DOC = "each message as '<role>: <content>\\n', then 'assistant:'"
+
+
+def plain_chat_prompt(messages: list[ChatMessage]) -> str:
+    return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
+
+
+class Admission:
+    def __init__(self, config: ClusterConfig, tokenizer, vocab_size: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+
+    def completion(self, body: CompletionBody) -> Generation:
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = self.tokenizer.encode(body.prompt)
+        else:
+            prompt_ids = self._checked_ids(body.prompt)
+        return self._generation(body, prompt_ids, body.max_tokens, "prompt")
+
+    def chat(self, body: ChatBody) -> Generation:
+        self._check_model(body.model)
+        if self.tokenizer.chat_template:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            prompt = plain_chat_prompt(body.messages)
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self._generation(body, prompt_ids, body.requested_max_tokens(), "messages")
+
+    def _check_model(self, name: str) -> None:
+        if name != self.config.server.model_name:
+            raise model_not_found(name)
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
+        return ids
+
+    def _generation(self, body: _GenerationBody, prompt_ids: list[int], max_tokens: int | None,
+                    prompt_param: str) -> Generation:
+        limits = self.config.limits
+        if not prompt_ids:
+            raise bad_request("The prompt is empty.", prompt_param)
+        room = limits.context_length - len(prompt_ids)
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {limits.context_length} tokens; the prompt "
+                f"has {len(prompt_ids)}, leaving no room for a completion.", prompt_param)
+        if max_tokens is not None and max_tokens > limits.max_tokens:
+            raise bad_request(f"max_tokens is at most {limits.max_tokens} on this server.", "max_tokens")
+        wanted = max_tokens if max_tokens is not None else limits.default_max_tokens
+        return Generation(
+            prompt_ids=list(prompt_ids),
+            max_tokens=min(wanted, room),
+            sampling=SamplingParams(body.temperature, body.top_p, max(body.top_k, 0)),
+            stop=body.stop_strings(),
+            seed=body.seed if body.seed is not None else secrets.randbits(63),
+            k=self._k(body),
+        )
+
+    def _k(self, body: _GenerationBody) -> int:
+        spec = self.config.speculation
+        options = body.speculation
+        enabled = spec.enabled if options is None or options.enabled is None else options.enabled
+        if not enabled:
+            return 0
+        k = options.k if options is not None and options.k is not None else spec.k
+        if k > spec.max_k:
+            raise bad_request(f"speculation.k is at most {spec.max_k} on this server.", "speculation.k")
+        return k

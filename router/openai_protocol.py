@@ -1,0 +1,136 @@
+"""OpenAI request bodies, parsed strictly from JSON: a wrong type is an error, never coerced,
+and an argument we do not know is an error rather than silently ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from router.errors import bad_request
+
+MAX_STOP_STRINGS = 8
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class SpeculationOptions(_Body):
+    enabled: bool | None = Field(None, description="False: the target alone (the baseline).")
+    k: int | None = Field(None, ge=1, description="Draft tokens per round for this request.")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationBody(_Body):
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k cut.")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculation: SpeculationOptions | None = None
+    return_token_ids: bool = Field(False, description="vLLM extension: include the generated ids.")
+    user: str | None = None
+    # OpenAI arguments accepted only at their neutral values (we do not implement them).
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("n")
+    @classmethod
+    def single_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return stop
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionBody(_GenerationBody):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
+    echo: bool = Field(False, le=False)
+    logprobs: None = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def single_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatBody(_GenerationBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, le=False)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The field path of an error, without pydantic's union-member tags such as list[int]."""
+    parts = [str(p) for p in loc
+             if not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p or p[:1].isupper()))]
+    return ".".join(parts) if parts else None
+
+
+def parse_body(model: type[_Body], raw: bytes) -> Any:
+    """JSON bytes -> a validated body; raise a 400 OpenAIError naming the offending field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        if error["type"] == "json_invalid":
+            raise bad_request(f"Request body is not valid JSON: {error['msg']}") from None
+        if error["type"] == "model_type":
+            raise bad_request("Request body must be a JSON object") from None
+        param = _param(error["loc"])
+        if error["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param) from None
+        if error["type"] == "missing":
+            raise bad_request(f"Missing required parameter: '{param}'", param) from None
+        message = error["msg"].removeprefix("Value error, ")
+        raise bad_request(f"Invalid value for '{param}': {message}", param) from None

@@ -1,0 +1,141 @@
+"""The per-request speculation loop: draft -> verify -> emit, one round at a time.
+
+A round asks the draft pool for k tokens and the target pool to verify them; it yields
+between 1 and k + 1 tokens. With speculation off a round is one plain target step (k = 0),
+which is the target-only baseline every comparison uses: same code, same caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from ray.exceptions import RayActorError
+
+from replicas.protocol import ProposeRequest, VerifyRequest
+from replicas.sampling import SamplingParams
+from router.text import IncrementalDetokenizer, StopStringFilter
+
+logger = logging.getLogger("ray.serve")
+_CALL_ATTEMPTS = 3  # a call whose replica died is retried; the call carries all its state
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A validated request, in tokens."""
+    prompt_ids: list[int]
+    max_tokens: int            # already capped by the context length
+    sampling: SamplingParams
+    stop: list[str]
+    seed: int
+    k: int                     # draft tokens per round; 0 turns speculation off
+
+
+@dataclass
+class SpeculationStats:
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        return {"rounds": self.rounds, "drafted_tokens": self.drafted_tokens,
+                "accepted_tokens": self.accepted_tokens, "acceptance_rate": round(rate, 4)}
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # "stop" or "length" on the last delta
+
+
+@dataclass
+class _Progress:
+    text: IncrementalDetokenizer
+    stops: StopStringFilter
+    generated: list[int] = field(default_factory=list)
+
+
+def round_seed(seed: int, round_index: int, role: str) -> int:
+    """Independent, reproducible seeds per round and role, whichever replica serves them."""
+    digest = hashlib.blake2b(f"{seed}:{round_index}:{role}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SpeculationLoop:
+    def __init__(self, draft, target, tokenizer, eos_token_ids: set[int]):
+        self.draft = draft      # DeploymentHandle of the draft pool
+        self.target = target    # DeploymentHandle of the target pool
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    async def run(self, gen: Generation, stats: SpeculationStats) -> AsyncIterator[Delta]:
+        seq_id = uuid.uuid4().hex
+        tokens = list(gen.prompt_ids)
+        progress = _Progress(IncrementalDetokenizer(self.tokenizer), StopStringFilter(gen.stop))
+        try:
+            while True:
+                new_tokens = await self._round(seq_id, tokens, gen, stats)
+                delta = self._emit(new_tokens, progress, gen)
+                tokens.extend(delta.token_ids)
+                yield delta
+                if delta.finish_reason:
+                    return
+        finally:
+            self._release(seq_id)
+
+    async def _round(self, seq_id: str, tokens: list[int], gen: Generation,
+                     stats: SpeculationStats) -> list[int]:
+        remaining = gen.max_tokens - (len(tokens) - len(gen.prompt_ids))
+        k = min(gen.k, remaining - 1)  # a round yields up to k + 1 tokens
+        drafts, probs = [], None
+        if k > 0:
+            proposal = await _call(self.draft.propose, ProposeRequest(
+                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
+            drafts, probs = proposal.tokens, proposal.probs
+        [verdict] = await _call(self.target.verify, [VerifyRequest(
+            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"))])
+        stats.rounds += 1
+        stats.drafted_tokens += len(drafts)
+        stats.accepted_tokens += verdict.accepted
+        return verdict.tokens
+
+    def _emit(self, new_tokens: list[int], progress: _Progress, gen: Generation) -> Delta:
+        """Take the round's tokens one at a time until EOS, a stop string or max_tokens."""
+        delta = Delta("", [])
+        for token in new_tokens:
+            progress.generated.append(token)
+            delta.token_ids.append(token)
+            progress.stops.add(progress.text.push(token))
+            if token in self.eos_token_ids or progress.stops.stopped:
+                delta.finish_reason = "stop"
+            elif len(progress.generated) >= gen.max_tokens:
+                delta.finish_reason = "length"
+            if delta.finish_reason:
+                if not progress.stops.stopped:
+                    progress.stops.add(progress.text.flush())
+                break
+        delta.text = progress.stops.release(final=delta.finish_reason is not None)
+        return delta
+
+    def _release(self, seq_id: str) -> None:
+        """Free the sequence's caches; not awaited, since nothing depends on it."""
+        for pool in (self.draft, self.target):
+            try:
+                pool.release.remote(seq_id)
+            except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
+                logger.warning("could not release caches of %s", seq_id, exc_info=True)
+
+
+async def _call(method, request):
+    for attempt in range(1, _CALL_ATTEMPTS + 1):
+        try:
+            return await method.remote(request)
+        except RayActorError:
+            if attempt == _CALL_ATTEMPTS:
+                raise
+            logger.warning("replica died during %s; retrying on another", method)
