@@ -7,6 +7,7 @@ resolved against the folder of the config file; nothing else in the project re-r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -153,14 +154,35 @@ def _resolve_model_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
     return config.model_copy(update={"models": models})
 
 
-def _model_folder_problems(config: ClusterConfig) -> list[str]:
-    problems = []
+def _model_problems(config: ClusterConfig) -> list[str]:
+    """Missing folders, and target/draft pairs that cannot work together."""
+    problems, shapes = [], {}
     for role in ("target", "draft"):
         spec: ModelSpec = getattr(config.models, role)
-        if spec.placeholder is None and not (spec.path / "config.json").is_file():
+        config_file = spec.path / "config.json"
+        if config_file.is_file():
+            shapes[role] = _model_shape(config_file)
+        elif spec.placeholder is None:
             what = "missing model directory" if not spec.path.exists() else "no config.json in"
             problems.append(f"models.{role}.path: {what} {spec.path}")
+    vocab = {role: shape.get("vocab_size") for role, shape in shapes.items()}
+    if len(vocab) == 2 and vocab["target"] != vocab["draft"]:
+        problems.append(f"models.draft.path: vocabulary size {vocab['draft']} differs from the "
+                        f"target's {vocab['target']}; draft and target must share a tokenizer")
+    for role, shape in shapes.items():
+        positions = shape.get("max_position_embeddings")
+        if positions is not None and config.limits.context_length > positions:
+            problems.append(f"limits.context_length: {config.limits.context_length} exceeds the "
+                            f"{role} model's max_position_embeddings ({positions})")
     return problems
+
+
+def _model_shape(config_file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("text_config", data) if isinstance(data, dict) else {}
 
 
 def parse_config(data: Any, base: Path, source: str = "<config>") -> ClusterConfig:
@@ -172,7 +194,7 @@ def parse_config(data: Any, base: Path, source: str = "<config>") -> ClusterConf
     except ValidationError as exc:
         raise ConfigError(source, [_describe(e) for e in exc.errors()]) from None
     config = _resolve_model_paths(config, base)
-    problems = _model_folder_problems(config)
+    problems = _model_problems(config)
     if problems:
         raise ConfigError(source, problems)
     return config

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random models saved in Hugging Face format, and one real local Ray
+cluster serving three specserve apps that differ only in their draft model."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from cluster.config import ClusterConfig, parse_config  # noqa: E402
+from replicas.tiny_models import UNTRAINED_NOTE, perturbed_copy, save, tiny_llama, train_tokenizer  # noqa: E402
+
+# Draft regimes for the exactness tests and the acceptance they give with the tiny target.
+DRAFT_REGIMES = ("copy", "unrelated", "perturbed")
+PERTURBATION = 0.02  # relative weight noise; greedy acceptance about 0.55 with these models
+
+
+@dataclass(frozen=True)
+class ModelZoo:
+    target: Path
+    drafts: dict[str, Path]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> ModelZoo:
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = train_tokenizer()
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    target = tiny_llama("target", vocab, eos, seed=0)
+    drafts = {
+        "copy": target,
+        "unrelated": tiny_llama("draft", vocab, eos, seed=7),
+        "perturbed": perturbed_copy(target, PERTURBATION, seed=1),
+    }
+    return ModelZoo(
+        target=save(target, tokenizer, root / "target", UNTRAINED_NOTE),
+        drafts={name: save(model, tokenizer, root / f"draft-{name}", UNTRAINED_NOTE)
+                for name, model in drafts.items()},
+    )
+
+
+def cluster_config(target: Path, draft: Path, **sections) -> ClusterConfig:
+    """A small test cluster: every replica on a tenth of a CPU."""
+    small = {"resources": {"num_cpus": 0.1}}
+    data = {
+        "models": {"target": {"path": str(target)}, "draft": {"path": str(draft)}},
+        "pools": {"router": small, "draft": small, "target": small},
+        "limits": {"max_tokens": 256, "default_max_tokens": 16, "context_length": 512},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return parse_config(data, base=Path.cwd())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """A real local Ray with Serve's HTTP proxy on a free port; yields the base URL."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=2, logging_level="WARNING", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def apps(ray_serve, zoo) -> dict[str, str]:
+    """One specserve app per draft regime, each under its own route prefix."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    urls = {}
+    for regime in DRAFT_REGIMES:
+        config = cluster_config(zoo.target, zoo.drafts[regime])
+        serve.run(build_app(config), name=f"spec-{regime}", route_prefix=f"/{regime}")
+        urls[regime] = f"{ray_serve}/{regime}"
+    return urls

@@ -1,0 +1,134 @@
+"""Greedy speculation through HTTP equals target-only greedy decoding, token for token, for
+every k and draft regime, streaming or not, up to max_tokens and stop-string boundaries."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from cluster.config import ModelSpec
+from replicas.loading import load_causal_lm, load_tokenizer
+
+PROMPTS = [
+    "x",
+    "import os\nimport sys\n",
+    "class Parser:\n    def __init__(self, text):\n        self.text = text\n        self.pos = 0\n\n    def peek(self):\n",
+]
+MAX_TOKENS = 24
+KS = (1, 3, 5)
+
+
+def complete(url: str, prompt: str, **fields) -> dict:
+    body = {"model": "specserve", "prompt": prompt, "temperature": 0, "return_token_ids": True, **fields}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream_complete(url: str, prompt: str, **fields) -> dict:
+    """Reassemble a streamed completion into the non-streaming shape."""
+    body = {"model": "specserve", "prompt": prompt, "temperature": 0, "return_token_ids": True,
+            "stream": True, "stream_options": {"include_usage": True}, **fields}
+    text, ids, finish, usage, speculation, done = "", [], None, None, None, False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                done = True
+                continue
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text += choice["text"]
+                ids += choice["token_ids"]
+                finish = choice["finish_reason"] or finish
+            usage = chunk.get("usage") or usage
+            speculation = chunk.get("speculation") or speculation
+    assert done, "stream did not end with data: [DONE]"
+    return {"choices": [{"text": text, "token_ids": ids, "finish_reason": finish}],
+            "usage": usage, "speculation": speculation}
+
+
+@pytest.fixture(scope="module")
+def reference(apps, zoo) -> dict[str, dict]:
+    """Target-only greedy completions: the server with speculation off, checked against
+    Hugging Face's own greedy generate() on the same weights."""
+    model = load_causal_lm(ModelSpec(path=zoo.target))
+    tokenizer = load_tokenizer(zoo.target)
+    out = {}
+    for prompt in PROMPTS:
+        served = complete(apps["copy"], prompt, max_tokens=MAX_TOKENS, speculation={"enabled": False})
+        ids = tokenizer.encode(prompt)
+        hf = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                            eos_token_id=None, pad_token_id=tokenizer.eos_token_id)
+        expected = hf[0, len(ids):].tolist()
+        got = served["choices"][0]["token_ids"]
+        assert got == expected[:len(got)], "speculation-off path differs from HF greedy decoding"
+        assert served["speculation"]["drafted_tokens"] == 0
+        out[prompt] = served["choices"][0]
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("regime", ["copy", "unrelated", "perturbed"])
+def test_speculative_greedy_equals_target_only(apps, reference, regime, k, stream):
+    call = stream_complete if stream else complete
+    for prompt in PROMPTS:
+        got = call(apps[regime], prompt, max_tokens=MAX_TOKENS, speculation={"k": k})
+        want = reference[prompt]
+        assert got["choices"][0]["token_ids"] == want["token_ids"]
+        assert got["choices"][0]["text"] == want["text"]
+        assert got["choices"][0]["finish_reason"] == want["finish_reason"]
+        assert got["usage"]["completion_tokens"] == len(want["token_ids"])
+        assert got["speculation"]["drafted_tokens"] > 0
+
+
+def test_acceptance_reflects_the_draft(apps):
+    rates = {}
+    for regime in ("copy", "unrelated", "perturbed"):
+        stats = complete(apps[regime], PROMPTS[2], max_tokens=48, speculation={"k": 4})["speculation"]
+        rates[regime] = stats["acceptance_rate"]
+    assert rates["copy"] >= 0.95
+    assert rates["unrelated"] <= 0.2
+    assert rates["unrelated"] < rates["perturbed"] < rates["copy"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("max_tokens", [1, 2, 4, 5, 6, 11])
+def test_max_tokens_boundaries(apps, reference, max_tokens, stream):
+    """Rounds yield up to k + 1 tokens; the output still stops exactly at max_tokens."""
+    call = stream_complete if stream else complete
+    prompt = PROMPTS[1]
+    want = reference[prompt]["token_ids"][:max_tokens]
+    for regime in ("copy", "perturbed"):
+        got = call(apps[regime], prompt, max_tokens=max_tokens, speculation={"k": 4})
+        assert got["choices"][0]["token_ids"] == want
+        assert got["choices"][0]["finish_reason"] == "length"
+        assert got["usage"]["completion_tokens"] == max_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_stop_string_boundaries(apps, reference, stream):
+    """A stop string ends the text just before it, whichever round it falls in."""
+    call = stream_complete if stream else complete
+    prompt = PROMPTS[2]
+    full_text = reference[prompt]["text"]
+    for start in (1, 5, len(full_text) // 2):
+        stop = full_text[start:start + 3]
+        cut = full_text.index(stop)
+        want_text = full_text[:cut]
+        for regime in ("copy", "perturbed", "unrelated"):
+            for k in (1, 4):
+                got = call(apps[regime], prompt, max_tokens=MAX_TOKENS, stop=[stop, "never-seen"],
+                           speculation={"k": k})["choices"][0]
+                assert got["text"] == want_text, (regime, k, stop)
+                assert got["finish_reason"] == "stop"
+                assert got["token_ids"] == reference[prompt]["token_ids"][:len(got["token_ids"])]
