@@ -1,0 +1,98 @@
+"""A replica that holds a sequence's KV cache computes only the new positions; one that lost
+it rebuilds from the token ids in the call and gives the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from replicas.engines import DraftEngine, TargetEngine
+from replicas.model_runner import KVCacheStore, common_prefix_length
+from replicas.protocol import ProposeRequest, VerifyRequest
+from replicas.sampling import GREEDY, SamplingParams
+from replicas.tiny_models import perturbed_copy, tiny_llama
+
+VOCAB = 64
+PROMPT = list(range(5, 25))  # 20 positions
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama("target", VOCAB, eos_token_id=0, seed=3)
+    return target, perturbed_copy(target, 0.02, seed=4)
+
+
+def verify(engine: TargetEngine, tokens, drafts, seq_id="s", sampling=GREEDY, probs=None, seed=0):
+    [verdict] = engine.verify([VerifyRequest(seq_id, tokens, drafts, probs, sampling, seed)])
+    return verdict
+
+
+def test_verify_feeds_only_new_positions_when_the_cache_is_held(models):
+    target, _ = models
+    engine = TargetEngine(target, max_sequences=4)
+    first = verify(engine, PROMPT, [7, 8, 9])
+    assert first.positions_fed == len(PROMPT) + 3  # a new sequence: everything
+    tokens = PROMPT + first.tokens
+    second = verify(engine, tokens, [1, 2, 3, 4])
+    assert second.positions_fed == 1 + 4  # its last token and the drafts
+    plain = verify(engine, tokens + second.tokens, [])
+    assert plain.positions_fed == 1
+
+
+def test_a_replica_without_the_cache_gives_the_same_tokens(models):
+    target, draft = models
+    holder, drafter = TargetEngine(target, max_sequences=4), DraftEngine(draft, max_sequences=4)
+    tokens = list(PROMPT)
+    tokens += verify(holder, tokens, []).tokens  # the holder now caches the prompt
+    for _ in range(6):
+        proposal = drafter.propose(ProposeRequest("s", tokens, 4, GREEDY, seed=0))
+        held = verify(holder, tokens, proposal.tokens)
+        fresh = verify(TargetEngine(target, max_sequences=4), tokens, proposal.tokens)
+        assert fresh.positions_fed == len(tokens) + 4 > held.positions_fed
+        assert (fresh.accepted, fresh.tokens) == (held.accepted, held.tokens)
+        tokens += held.tokens
+
+
+def test_released_or_evicted_caches_are_rebuilt(models):
+    target, _ = models
+    engine = TargetEngine(target, max_sequences=1)
+    before = verify(engine, PROMPT, [1, 2], seq_id="a")
+    verify(engine, PROMPT[:10], [3], seq_id="b")  # evicts "a": only one sequence fits
+    again = verify(engine, PROMPT, [1, 2], seq_id="a")
+    assert again.positions_fed == len(PROMPT) + 2
+    assert again.tokens == before.tokens
+    engine.release("a")
+    assert "a" not in engine.runner.caches
+
+
+def test_sampled_verify_is_the_same_with_or_without_the_cache(models):
+    target, draft = models
+    params = SamplingParams(temperature=0.9)
+    drafter = DraftEngine(draft, max_sequences=4)
+    proposal = drafter.propose(ProposeRequest("s", PROMPT, 4, params, seed=5))
+    assert proposal.probs is not None and tuple(proposal.probs.shape) == (4, VOCAB)
+    holder = TargetEngine(target, max_sequences=4)
+    verify(holder, PROMPT[:-3], [], sampling=params)  # warm a shorter prefix of the cache
+    held = verify(holder, PROMPT, proposal.tokens, sampling=params, probs=proposal.probs, seed=9)
+    fresh = verify(TargetEngine(target, max_sequences=4), PROMPT, proposal.tokens,
+                   sampling=params, probs=proposal.probs, seed=9)
+    assert held.positions_fed < fresh.positions_fed
+    assert held.tokens == fresh.tokens
+
+
+def test_draft_reuses_its_cache_across_rounds(models):
+    _, draft = models
+    engine = DraftEngine(draft, max_sequences=4)
+    first = engine.propose(ProposeRequest("s", PROMPT, 4, GREEDY, seed=0))
+    assert first.positions_fed == len(PROMPT) + 3  # prompt, then one position per later step
+    accepted = first.tokens[:2] + [11]  # two drafts kept, then the target's own token
+    second = engine.propose(ProposeRequest("s", PROMPT + accepted, 4, GREEDY, seed=0))
+    assert second.positions_fed == 1 + 3  # only the target's token is new, then 3 steps
+
+
+def test_common_prefix_and_lru_store():
+    assert common_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix_length([1, 2, 3], [1, 9, 3]) == 1
+    assert common_prefix_length([], [1]) == 0
+    store = KVCacheStore(max_sequences=2)
+    store.take("a"), store.take("b"), store.take("a"), store.take("c")
+    assert "b" not in store and "a" in store and "c" in store

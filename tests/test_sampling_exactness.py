@@ -1,0 +1,124 @@
+"""Sampled speculation has exactly the target's distribution.
+
+On a tiny-vocabulary pair the joint distribution of the first two generated tokens is known
+exactly by enumeration (V * V cells). Speculative samples from the real engines are compared
+with it by a chi-square goodness-of-fit test at significance ALPHA: a correct sampler fails
+it with probability ALPHA (0.1 %) for a random seed; the seeds here are fixed, so the outcome
+is deterministic. The same test must reject deliberately wrong acceptance and residual rules,
+which shows that it has the power to catch a broken sampler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replicas.speculative as speculative
+from replicas.engines import DraftEngine, TargetEngine
+from replicas.protocol import ProposeRequest, VerifyRequest
+from replicas.sampling import SamplingParams, warped_probs
+from replicas.tiny_models import tiny_llama
+from router.speculation import round_seed
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+SAMPLES = 2000
+BROKEN_RULE_SAMPLES = 1000  # gross errors need fewer samples to show
+K = 3
+ALPHA = 1e-3
+SETTINGS = {
+    "plain": SamplingParams(temperature=1.0),
+    "warped": SamplingParams(temperature=0.8, top_k=6, top_p=0.9),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    # Both spread over all 8 tokens (largest first-token probability about 0.33), and far
+    # apart: total variation about 0.45 on the first token.
+    target = tiny_llama("target", VOCAB, eos_token_id=0, seed=21, initializer_range=0.15)
+    draft = tiny_llama("draft", VOCAB, eos_token_id=0, seed=22, initializer_range=0.15)
+    return target, draft
+
+
+@torch.inference_mode()
+def exact_joint(target, params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2 | PROMPT) [V, V], by enumerating t1 with full forward passes (no cache)."""
+    first = warped_probs(target(torch.tensor([PROMPT])).logits[0, -1:], params)[0]  # [V]
+    seconds = torch.tensor([PROMPT + [t] for t in range(VOCAB)])                     # [V, L+1]
+    second = warped_probs(target(seconds).logits[:, -1], params)                      # [V, V]
+    return first[:, None] * second
+
+
+def speculative_pairs(target, draft, params: SamplingParams, seed: int,
+                      samples: int = SAMPLES) -> torch.Tensor:
+    """Counts [V, V] of the first two tokens of `samples` speculative generations."""
+    drafts, verifier = DraftEngine(draft, max_sequences=4), TargetEngine(target, max_sequences=4)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for i in range(samples):
+        seq_id, tokens, round_index = f"s{i}", list(PROMPT), 0
+        while len(tokens) < len(PROMPT) + 2:
+            call_seed = seed * 1_000_003 + i
+            proposal = drafts.propose(ProposeRequest(
+                seq_id, tokens, K, params, round_seed(call_seed, round_index, "draft")))
+            [verdict] = verifier.verify([VerifyRequest(
+                seq_id, tokens, proposal.tokens, proposal.probs, params,
+                round_seed(call_seed, round_index, "target"))])
+            tokens += verdict.tokens
+            round_index += 1
+        counts[tokens[len(PROMPT)], tokens[len(PROMPT) + 1]] += 1
+    return counts
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test; cells expecting fewer than 5 samples are pooled into one."""
+    counts, expected = counts.flatten().double(), probs.flatten().double() * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().reshape(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor(float(len(observed) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+def test_the_pair_disagrees_enough_to_matter(pair):
+    """The draft's own distribution is far from the target's, so only a correct rule passes."""
+    target, draft = pair
+    params = SETTINGS["plain"]
+    total_variation = 0.5 * (exact_joint(target, params) - exact_joint(draft, params)).abs().sum()
+    assert total_variation > 0.4
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_speculative_sampling_matches_target_distribution(pair, setting):
+    target, draft = pair
+    params = SETTINGS[setting]
+    counts = speculative_pairs(target, draft, params, seed=1)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+def _always_accept(p_x, q_x):
+    return torch.ones(())
+
+
+def _inverted_ratio(p_x, q_x):
+    return torch.clamp(q_x / p_x, max=1.0)
+
+
+def _resample_from_target(p, q):
+    return p
+
+
+@pytest.mark.parametrize("rule,broken", [
+    ("acceptance_probability", _always_accept),
+    ("acceptance_probability", _inverted_ratio),
+    ("residual_distribution", _resample_from_target),
+])
+def test_the_test_rejects_a_wrong_rule(pair, monkeypatch, rule, broken):
+    target, draft = pair
+    params = SETTINGS["plain"]
+    monkeypatch.setattr(speculative, rule, broken)
+    counts = speculative_pairs(target, draft, params, seed=1, samples=BROKEN_RULE_SAMPLES)
+    assert chi_square_p_value(counts, exact_joint(target, params)) < ALPHA
