@@ -65,7 +65,6 @@ def _up(args: argparse.Namespace) -> int:
     from cluster.app import ensure_placeholder_models
 
     ensure_placeholder_models(config)
-    _stop_on_sigterm()
     try:
         _start(config)
         _wait_until_interrupted()
@@ -85,6 +84,7 @@ def _start(config: ClusterConfig) -> None:
     address = os.environ.get("RAY_ADDRESS")
     print(f"joining the Ray cluster at {address}" if address else "starting Ray locally", flush=True)
     ray.init(address=address or None, logging_level="WARNING", log_to_driver=False)
+    _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     deploy_error: list[BaseException] = []
 

@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 DEFAULT_CONFIG_FILE = "cluster.yaml"
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "2" is not a number and 1 is not true; YAML already gives native types.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(Strict):
-    path: Path = Field(description="Local Hugging Face-format model folder (relative to cluster.yaml).")
+    path: Path = Field(strict=False, description="Local Hugging Face-format model folder (relative to cluster.yaml).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and activations dtype on the replica.")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -89,14 +90,16 @@ class PoolsConfig(Strict):
 
 class SpeculationConfig(Strict):
     enabled: bool = Field(True, description="Speculate unless a request turns it off.")
-    k: int = Field(4, ge=1, description="Draft tokens per round unless a request fixes k.")
     max_k: int = Field(16, ge=1, description="Largest k a request may ask for.")
+    k: int = Field(4, ge=1, description="Draft tokens per round unless a request fixes k.")
 
-    @model_validator(mode="after")
-    def k_within_max(self) -> "SpeculationConfig":
-        if self.k > self.max_k:
-            raise ValueError(f"k ({self.k}) must not exceed max_k ({self.max_k})")
-        return self
+    @field_validator("k")
+    @classmethod
+    def k_within_max(cls, k: int, info: ValidationInfo) -> int:
+        max_k = info.data.get("max_k")
+        if max_k is not None and k > max_k:
+            raise ValueError(f"k ({k}) must not exceed max_k ({max_k})")
+        return k
 
 
 class ServerConfig(Strict):
@@ -110,11 +113,13 @@ class LimitsConfig(Strict):
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
     context_length: int = Field(2048, ge=2, description="Prompt plus completion, in tokens.")
 
-    @model_validator(mode="after")
-    def default_within_cap(self) -> "LimitsConfig":
-        if self.default_max_tokens > self.max_tokens:
-            raise ValueError("default_max_tokens must not exceed max_tokens")
-        return self
+    @field_validator("default_max_tokens")
+    @classmethod
+    def default_within_cap(cls, value: int, info: ValidationInfo) -> int:
+        cap = info.data.get("max_tokens")
+        if cap is not None and value > cap:
+            raise ValueError(f"default_max_tokens ({value}) must not exceed max_tokens ({cap})")
+        return value
 
 
 class ClusterConfig(Strict):
@@ -203,9 +208,11 @@ def parse_config(data: Any, base: Path, source: str = "<config>") -> ClusterConf
 def load_config(path: str | Path = DEFAULT_CONFIG_FILE) -> ClusterConfig:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(str(path), [f"cannot read: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), [f"not UTF-8 text: {exc}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
     return parse_config(data, base=path.resolve().parent, source=str(path))

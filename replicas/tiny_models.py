@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as transformers_logging
 
 EOS = "<|endoftext|>"
 UNTRAINED_NOTE = "UNTRAINED placeholder: random weights, output is noise. Built by specserve."
@@ -74,6 +75,7 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path
 
 def build_placeholder_pair(target_dir: Path | None, draft_dir: Path | None, seed: int = 0) -> None:
     """Build the untrained target and/or draft into the given folders, sharing one tokenizer."""
+    transformers_logging.disable_progress_bar()
     tokenizer = train_tokenizer()
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
     if target_dir is not None:

@@ -41,7 +41,8 @@ class Admission:
         else:
             prompt = plain_chat_prompt(body.messages)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        return self._generation(body, prompt_ids, body.requested_max_tokens(), "messages")
+        max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        return self._generation(body, prompt_ids, body.requested_max_tokens(), "messages", max_param)
 
     def _check_model(self, name: str) -> None:
         if name != self.config.server.model_name:
@@ -53,7 +54,7 @@ class Admission:
         return ids
 
     def _generation(self, body: _GenerationBody, prompt_ids: list[int], max_tokens: int | None,
-                    prompt_param: str) -> Generation:
+                    prompt_param: str, max_param: str = "max_tokens") -> Generation:
         limits = self.config.limits
         if not prompt_ids:
             raise bad_request("The prompt is empty.", prompt_param)
@@ -63,7 +64,7 @@ class Admission:
                 f"This model's maximum context length is {limits.context_length} tokens; the prompt "
                 f"has {len(prompt_ids)}, leaving no room for a completion.", prompt_param)
         if max_tokens is not None and max_tokens > limits.max_tokens:
-            raise bad_request(f"max_tokens is at most {limits.max_tokens} on this server.", "max_tokens")
+            raise bad_request(f"{max_param} is at most {limits.max_tokens} on this server.", max_param)
         wanted = max_tokens if max_tokens is not None else limits.default_max_tokens
         return Generation(
             prompt_ids=list(prompt_ids),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from router.errors import bad_request
 
@@ -55,6 +55,13 @@ class _GenerationBody(_Body):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def stream_options_need_stream(cls, options: StreamOptions | None, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return options
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

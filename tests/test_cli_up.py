@@ -206,9 +206,5 @@ def test_sigterm_shuts_down(stopped):
     print(f"`specserve up` exited with code {stopped.returncode} {stopped.seconds:.1f} s after SIGTERM")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: cluster.cli installs its SIGTERM handler before ray.init(), which replaces it with "
-    "Ray's own (sys.exit(signum)); SystemExit(15) escapes `except KeyboardInterrupt`, and after "
-    "'shutting down' the process dies of SIGABRT (exit -6) with Ray's C++ 'SIGTERM received' dump"))
 def test_sigterm_exit_code_is_zero(stopped):
     assert stopped.returncode == 0, f"exit code {stopped.returncode}; output:\n{stopped.output}"

@@ -314,8 +314,6 @@ def test_load_config_invalid_yaml(tmp_path):
     assert len(info.value.problems) == 1 and info.value.problems[0].startswith("not valid YAML")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_config lets UnicodeDecodeError escape for a "
-                                       "non-UTF-8 file instead of raising ConfigError")
 def test_load_config_non_utf8_file(tmp_path):
     bad = tmp_path / "binary.yaml"
     bad.write_bytes(b"\xff\xfe\x00models: {}\n")
