@@ -1,0 +1,65 @@
+"""Admission turns OpenAI bodies into token-level generations: chat templates, limits, k."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.admission import Admission, plain_chat_prompt
+from router.errors import OpenAIError
+from router.openai_protocol import ChatBody, CompletionBody, parse_body
+from replicas.tiny_models import train_tokenizer
+from tests.conftest import cluster_config
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def config(zoo):
+    return cluster_config(zoo.target, zoo.drafts["perturbed"], speculation={"k": 3, "max_k": 6})
+
+
+def chat_body(**fields) -> ChatBody:
+    body = {"model": "specserve", "messages": [{"role": "system", "content": "be brief"},
+                                               {"role": "user", "content": "hi"}], **fields}
+    return parse_body(ChatBody, json.dumps(body).encode())
+
+
+def test_chat_without_template_uses_the_plain_one(config, tokenizer):
+    assert not tokenizer.chat_template
+    gen = Admission(config, tokenizer, len(tokenizer)).chat(chat_body())
+    assert tokenizer.decode(gen.prompt_ids) == "system: be brief\nuser: hi\nassistant:"
+    assert plain_chat_prompt(chat_body().messages).endswith("assistant:")
+
+
+def test_chat_uses_the_tokenizer_template_when_it_has_one(config):
+    templated = train_tokenizer()
+    templated.chat_template = TEMPLATE
+    gen = Admission(config, templated, len(templated)).chat(chat_body())
+    assert templated.decode(gen.prompt_ids) == "<system>be brief</system><user>hi</user><assistant>"
+
+
+def test_k_and_speculation_switch(config, tokenizer):
+    admission = Admission(config, tokenizer, len(tokenizer))
+    assert admission.chat(chat_body()).k == 3  # the config default
+    assert admission.chat(chat_body(speculation={"k": 6})).k == 6
+    assert admission.chat(chat_body(speculation={"enabled": False, "k": 5})).k == 0
+    with pytest.raises(OpenAIError) as error:
+        admission.chat(chat_body(speculation={"k": 7}))
+    assert error.value.status == 400 and error.value.param == "speculation.k"
+
+
+def test_max_tokens_default_cap_and_context_room(config, tokenizer):
+    admission = Admission(config, tokenizer, len(tokenizer))
+    body = parse_body(CompletionBody, b'{"model": "specserve", "prompt": [1, 2, 3]}')
+    assert admission.completion(body).max_tokens == config.limits.default_max_tokens
+    long_prompt = list(range(1, config.limits.context_length - 4))
+    body = CompletionBody(model="specserve", prompt=long_prompt, max_tokens=100)
+    assert admission.completion(body).max_tokens == 5  # what is left of the context
