@@ -31,6 +31,13 @@ class _ModelReplica:
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
+    async def release(self, seq_id: str) -> None:
+        """Drop a finished sequence's cache."""
+        await self._on_worker(self.engine.release, seq_id)
+
+    async def cached_sequences(self) -> int:
+        return len(self.engine.runner.caches)
+
 
 @serve.deployment(name="draft")
 class DraftPool(_ModelReplica):
@@ -41,9 +48,6 @@ class DraftPool(_ModelReplica):
     async def propose(self, request: ProposeRequest) -> Proposal:
         return await self._on_worker(self.engine.propose, request)
 
-    async def release(self, seq_id: str) -> None:
-        await self._on_worker(self.engine.release, seq_id)
-
 
 @serve.deployment(name="target")
 class TargetPool(_ModelReplica):
@@ -53,6 +57,3 @@ class TargetPool(_ModelReplica):
 
     async def verify(self, requests: list[VerifyRequest]) -> list[Verification]:
         return await self._on_worker(self.engine.verify, requests)
-
-    async def release(self, seq_id: str) -> None:
-        await self._on_worker(self.engine.release, seq_id)
