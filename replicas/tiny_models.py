@@ -12,11 +12,11 @@ import sysconfig
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
-EOS = "<|endoftext|>"
+from replicas.bpe import fit_bpe
+
 UNTRAINED_NOTE = "UNTRAINED placeholder: random weights, output is noise. Built by specserve."
 # A fixed set of standard-library files, present wherever Python is, to fit a BPE vocabulary.
 _TOKENIZER_CORPUS = ("os.py", "argparse.py", "typing.py", "dataclasses.py", "textwrap.py")
@@ -33,14 +33,7 @@ def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [(stdlib / name).read_text(encoding="utf-8") for name in _TOKENIZER_CORPUS
              if (stdlib / name).is_file()]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS,
-                                   pad_token=EOS, unk_token=None)
+    return fit_bpe(texts, vocab_size)
 
 
 def tiny_llama(role: str, vocab_size: int, eos_token_id: int, seed: int,
