@@ -22,6 +22,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+def _at_most(field: str, cap: str):
+    """A validator: `field` must not exceed `cap`, a field declared before it."""
+    def check(cls, value: int, info: ValidationInfo) -> int:
+        limit = info.data.get(cap)
+        if limit is not None and value > limit:
+            raise ValueError(f"{field} ({value}) must not exceed {cap} ({limit})")
+        return value
+    return field_validator(field)(check)
+
+
 class ModelSpec(Strict):
     path: Path = Field(strict=False, description="Local Hugging Face-format model folder (relative to cluster.yaml).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -93,13 +103,7 @@ class SpeculationConfig(Strict):
     max_k: int = Field(16, ge=1, description="Largest k a request may ask for.")
     k: int = Field(4, ge=1, description="Draft tokens per round unless a request fixes k.")
 
-    @field_validator("k")
-    @classmethod
-    def k_within_max(cls, k: int, info: ValidationInfo) -> int:
-        max_k = info.data.get("max_k")
-        if max_k is not None and k > max_k:
-            raise ValueError(f"k ({k}) must not exceed max_k ({max_k})")
-        return k
+    _k_within_max = _at_most("k", "max_k")
 
 
 class ServerConfig(Strict):
@@ -113,13 +117,7 @@ class LimitsConfig(Strict):
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
     context_length: int = Field(2048, ge=2, description="Prompt plus completion, in tokens.")
 
-    @field_validator("default_max_tokens")
-    @classmethod
-    def default_within_cap(cls, value: int, info: ValidationInfo) -> int:
-        cap = info.data.get("max_tokens")
-        if cap is not None and value > cap:
-            raise ValueError(f"default_max_tokens ({value}) must not exceed max_tokens ({cap})")
-        return value
+    _default_within_cap = _at_most("default_max_tokens", "max_tokens")
 
 
 class ClusterConfig(Strict):
