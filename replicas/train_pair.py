@@ -6,7 +6,7 @@ Stages (each resumable; checkpoints in --work): fit a byte-level BPE on the trai
 encode the corpus, train the target, train the draft. After every checkpoint the current
 weights are exported in bf16 Hugging Face format to --out/<role>, so an interrupted run still
 leaves loadable models. Everything is seeded: the data order of step s depends only on
-(seed, role, s), so a resumed run sees the same batches as an uninterrupted one.
+(seed, stage, s), so a resumed run sees the same batches as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -50,6 +51,7 @@ class Recipe:
 # 6.2 M parameters, trains at about 1,900 tokens/s; the draft, 0.6 M, at about 19,000.
 TARGET = Recipe(Shape(256, 768, 6, 4), steps=1600, batch=8, lr=1.5e-3)
 DRAFT = Recipe(Shape(96, 256, 2, 2), steps=1500, batch=8, lr=3e-3)
+DISTILL = Recipe(DRAFT.shape, steps=400, batch=8, lr=1e-3, warmup=40)
 
 
 def llama_config(shape: Shape, eos_id: int) -> LlamaConfig:
@@ -121,23 +123,48 @@ def held_out_loss(model, stream: torch.Tensor, windows: int = 48) -> float:
     return sum(losses) / len(losses)
 
 
-def train(role: str, recipe: Recipe, tokenizer, streams, args) -> None:
+@dataclass(frozen=True)
+class Stage:
+    name: str                     # its state folder under --work
+    role: str                     # exported to --out/<role>
+    recipe: Recipe
+    seed: int                     # model init and data order
+    loss: Callable = loss_on      # (model, windows [B, SEQUENCE + 1]) -> scalar
+    start_from: str | None = None  # a stage whose final weights this one starts from
+
+
+def distillation_loss(teacher) -> Callable:
+    """KL(teacher || student) per position: the student learns the teacher's whole
+    next-token distribution, which is what speculative acceptance rewards."""
+    def loss(model, windows: torch.Tensor) -> torch.Tensor:
+        inputs = windows[:, :-1]
+        with torch.no_grad():
+            teacher_logp = torch.log_softmax(teacher(input_ids=inputs).logits, dim=-1)  # [B, S, V]
+        student_logp = torch.log_softmax(model(input_ids=inputs).logits, dim=-1)         # [B, S, V]
+        return torch.nn.functional.kl_div(student_logp.reshape(-1, VOCAB_SIZE), teacher_logp.reshape(-1, VOCAB_SIZE),
+                                          log_target=True, reduction="batchmean")
+    return loss
+
+
+def run_stage(stage: Stage, tokenizer, streams, args) -> None:
     train_stream, held_out_stream = streams
-    state_dir = args.work / role
+    state_dir = args.work / stage.name
     state_dir.mkdir(parents=True, exist_ok=True)
-    role_seed = args.seed * 2 + (0 if role == "target" else 1)
-    torch.manual_seed(role_seed)
-    model = LlamaForCausalLM(llama_config(recipe.shape, tokenizer.eos_token_id))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    step, log = _resume(state_dir, model, optimizer), _Log(state_dir / "log.jsonl")
+    torch.manual_seed(stage.seed)
+    model = LlamaForCausalLM(llama_config(stage.recipe.shape, tokenizer.eos_token_id))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=stage.recipe.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    step = _resume(state_dir, model, optimizer)
+    if step == 0 and stage.start_from:
+        model.load_state_dict(torch.load(args.work / stage.start_from / "checkpoint.pt")["model"])
     params = sum(p.numel() for p in model.parameters())
-    print(f"{role}: {params / 1e6:.2f} M parameters, steps {step}..{recipe.steps}", flush=True)
+    print(f"{stage.name}: {params / 1e6:.2f} M parameters, steps {step}..{stage.recipe.steps}", flush=True)
+    log, recipe = _Log(state_dir / "log.jsonl"), stage.recipe
     model.train()
     started, tokens = time.monotonic(), 0
     while step < recipe.steps:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(recipe, step)
-        loss = loss_on(model, batch_at(train_stream, step, recipe.batch, role_seed))
+        loss = stage.loss(model, batch_at(train_stream, step, recipe.batch, stage.seed))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,7 +176,22 @@ def train(role: str, recipe: Recipe, tokenizer, streams, args) -> None:
         if step % args.checkpoint_every == 0 or step == recipe.steps:
             log.write(step=step, held_out_loss=round(held_out_loss(model, held_out_stream), 4))
             _checkpoint(state_dir, model, optimizer, step)
-            export(model, tokenizer, args.out / role, role, params, step, recipe)
+            export(model, tokenizer, args.out / stage.role, stage.name, params, step, recipe)
+
+
+def stages(args) -> list[Stage]:
+    """The pipeline: target, draft on the corpus, then the draft distilled from the target."""
+    chosen = []
+    if args.stage in ("all", "target"):
+        chosen.append(Stage("target", "target", TARGET, seed=args.seed * 3))
+    if args.stage in ("all", "draft"):
+        chosen.append(Stage("draft", "draft", DRAFT, seed=args.seed * 3 + 1))
+    if args.stage in ("all", "distill"):
+        teacher = LlamaForCausalLM.from_pretrained(args.out / "target", dtype=torch.float32,
+                                                   local_files_only=True).eval()
+        chosen.append(Stage("draft-distilled", "draft", DISTILL, seed=args.seed * 3 + 2,
+                            loss=distillation_loss(teacher), start_from="draft"))
+    return chosen
 
 
 class _Log:
@@ -180,7 +222,7 @@ def _checkpoint(state_dir: Path, model, optimizer, step: int) -> None:
     os.replace(partial, state_dir / "checkpoint.pt")
 
 
-def export(model, tokenizer, folder: Path, role: str, params: int, step: int, recipe: Recipe) -> None:
+def export(model, tokenizer, folder: Path, stage: str, params: int, step: int, recipe: Recipe) -> None:
     """bf16 safetensors + configs + tokenizer: loadable by transformers and vLLM alike."""
     folder.mkdir(parents=True, exist_ok=True)
     copy = LlamaForCausalLM(model.config)
@@ -190,7 +232,7 @@ def export(model, tokenizer, folder: Path, role: str, params: int, step: int, re
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, do_sample=False).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "training.json").write_text(json.dumps(
-        {"role": role, "parameters": params, "steps_done": step, "recipe": asdict(recipe),
+        {"stage": stage, "parameters": params, "steps_done": step, "recipe": asdict(recipe),
          "sequence": SEQUENCE}, indent=2) + "\n")
 
 
@@ -198,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("models"))
     parser.add_argument("--work", type=Path, default=Path(".cache/train"))
-    parser.add_argument("--stage", choices=["all", "target", "draft"], default="all")
+    parser.add_argument("--stage", choices=["all", "target", "draft", "distill"], default="all")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -208,10 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = prepare_tokenizer(args.work)
     streams = prepare_streams(tokenizer, args.work)
     print(f"corpus: {len(streams[0]):,} training tokens, {len(streams[1]):,} held-out tokens", flush=True)
-    if args.stage in ("all", "target"):
-        train("target", TARGET, tokenizer, streams, args)
-    if args.stage in ("all", "draft"):
-        train("draft", DRAFT, tokenizer, streams, args)
+    for stage in stages(args):
+        run_stage(stage, tokenizer, streams, args)
 
 
 if __name__ == "__main__":
