@@ -16,7 +16,9 @@ from tests.conftest import cluster_config
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "models"
-ACCEPTANCE_FLOOR = 0.5  # the model card records the held-out figure this stands under
+# The model card records 0.33 at k = 4 on 32 held-out prompts (the goal is 0.6, not reached
+# yet). A broken sampler, cache or position bookkeeping drives acceptance towards 0.
+ACCEPTANCE_FLOOR = 0.2
 SIZE_LIMIT = 60 * 2**20
 
 
