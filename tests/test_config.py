@@ -73,13 +73,12 @@ def test_minimal_valid_config_takes_defaults(models, tmp_path):
 
 
 def test_repo_default_cluster_yaml_parses():
-    """The shipped cluster.yaml is valid even before its placeholder models are built."""
+    """The shipped cluster.yaml is valid and serves the bundled models."""
     config = load_config(REPO / DEFAULT_CONFIG_FILE)
-    assert config.models.target.placeholder == "target"
-    assert config.models.draft.placeholder == "draft"
+    assert config.models.target.placeholder is None and config.models.draft.placeholder is None
     # Its relative paths are resolved against the repository root, not the current folder.
-    assert config.models.target.path == (REPO / ".cache/untrained/target").resolve()
-    assert config.models.draft.path == (REPO / ".cache/untrained/draft").resolve()
+    assert config.models.target.path == (REPO / "models/target").resolve()
+    assert config.models.draft.path == (REPO / "models/draft").resolve()
 
 
 # --- unknown keys ----------------------------------------------------------------------------
