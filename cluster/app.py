@@ -17,14 +17,17 @@ def build_app(config: ClusterConfig) -> Application:
     pools = config.pools
     draft = DraftPool.options(
         num_replicas=pools.draft.replicas,
+        max_ongoing_requests=pools.draft.max_ongoing_requests,
         ray_actor_options=pools.draft.resources.ray_actor_options(),
-    ).bind(config.models.draft, pools.draft.kv_cache)
+    ).bind(config.models.draft, pools.draft.kv_cache, pools.draft.batching)
     target = TargetPool.options(
         num_replicas=pools.target.replicas,
+        max_ongoing_requests=pools.target.max_ongoing_requests,
         ray_actor_options=pools.target.resources.ray_actor_options(),
-    ).bind(config.models.target, pools.target.kv_cache)
+    ).bind(config.models.target, pools.target.kv_cache, pools.target.batching)
     return Router.options(
         num_replicas=pools.router.replicas,
+        max_ongoing_requests=pools.router.max_ongoing_requests,
         ray_actor_options=pools.router.resources.ray_actor_options(),
     ).bind(draft, target, config)
 

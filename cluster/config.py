@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 DEFAULT_CONFIG_FILE = "cluster.yaml"
 
@@ -62,22 +62,39 @@ class Resources(Strict):
 
 
 class KVCacheConfig(Strict):
-    max_sequences: int = Field(
-        64, ge=1, description="Sequences whose KV cache a replica keeps; the least recently used is "
-                              "dropped beyond this and rebuilt from token ids on its next call.")
+    max_tokens: int = Field(
+        32768, ge=1, description="Cached positions a replica keeps over all its sequences; beyond this the "
+                                 "least recently used sequences are evicted and rebuilt from their token ids "
+                                 "on their next call.")
 
 
-class DraftPoolConfig(Strict):
+class BatchingConfig(Strict):
+    max_batch_size: int = Field(16, ge=1, description="Most sequences in one batched call of a replica.")
+    wait_ms: float = Field(2.0, ge=0, description="How long a batch waits for more calls after its first.")
+
+
+class _ModelPoolConfig(Strict):
     replicas: int = Field(1, ge=1)
-    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    max_ongoing_requests: int = Field(64, ge=1, description="Calls a replica accepts at once (Ray Serve's "
+                                                            "max_ongoing_requests); more are routed elsewhere.")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+
+    @model_validator(mode="after")
+    def batch_fits_ongoing(self):
+        if self.batching.max_batch_size > self.max_ongoing_requests:
+            raise ValueError(f"batching.max_batch_size ({self.batching.max_batch_size}) must not exceed "
+                             f"max_ongoing_requests ({self.max_ongoing_requests})")
+        return self
 
 
-class TargetPoolConfig(Strict):
-    replicas: int = Field(1, ge=1)
+class DraftPoolConfig(_ModelPoolConfig):
+    resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+
+
+class TargetPoolConfig(_ModelPoolConfig):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel shards per replica.")
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
-    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
 
     @field_validator("tp_size")
     @classmethod
@@ -89,6 +106,7 @@ class TargetPoolConfig(Strict):
 
 class RouterPoolConfig(Strict):
     replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one router replica serves at once.")
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.1))
 
 

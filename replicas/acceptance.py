@@ -43,7 +43,7 @@ def speculate(draft: DraftEngine, target: TargetEngine, prompt: list[int], k: in
     tokens = list(prompt)
     while len(tokens) - len(prompt) < new_tokens:
         k_now = min(k, new_tokens - (len(tokens) - len(prompt)) - 1)
-        drafts = draft.propose(ProposeRequest(seq_id, tokens, k_now, GREEDY, 0)).tokens if k_now > 0 else []
+        drafts = draft.propose([ProposeRequest(seq_id, tokens, k_now, GREEDY, 0)])[0].tokens if k_now > 0 else []
         [verdict] = target.verify([VerifyRequest(seq_id, tokens, drafts, None, GREEDY, 0)])
         tally.rounds, tally.drafted = tally.rounds + 1, tally.drafted + len(drafts)
         tally.accepted += verdict.accepted
@@ -57,8 +57,8 @@ def speculate(draft: DraftEngine, target: TargetEngine, prompt: list[int], k: in
 def measure(target_dir: Path, draft_dir: Path, ks: list[int], prompts: int, prompt_tokens: int,
             new_tokens: int) -> dict[int, Tally]:
     tokenizer = load_tokenizer(target_dir)
-    target = TargetEngine(load_causal_lm(ModelSpec(path=target_dir)), max_sequences=4)
-    draft = DraftEngine(load_causal_lm(ModelSpec(path=draft_dir)), max_sequences=4)
+    target = TargetEngine(load_causal_lm(ModelSpec(path=target_dir)), max_cached_tokens=4096)
+    draft = DraftEngine(load_causal_lm(ModelSpec(path=draft_dir)), max_cached_tokens=4096)
     inputs = held_out_prompts(tokenizer, prompts, prompt_tokens)
     results = {}
     for k in ks:

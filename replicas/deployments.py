@@ -1,32 +1,54 @@
 """The draft and target pools as Ray Serve deployments.
 
-Model work runs on one worker thread per replica: calls are served in arrival order, the
-caches are never touched by two threads at once, and the replica's event loop stays free
-for health checks and new calls while a forward pass runs.
+The propose (or verify) calls of concurrent sequences are batched continuously
+(replicas/batcher.py): whatever queued while the model was busy runs as the next batched
+engine call. Model work runs on one worker thread per replica, so caches are never touched
+by two threads at once and the replica's event loop stays free for health checks and for
+queueing the next batch while a forward pass runs.
+
+Routing is cache-affine: callers pass the sequence id as Serve's session id, and the pools
+use Serve's consistent-hash request router, so a sequence's calls reach the replica holding
+its cache. When that replica is gone or at max_ongoing_requests, the router falls back to
+the next replica on the ring, which rebuilds the cache from the call's token ids.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
-from cluster.config import KVCacheConfig, ModelSpec
+from cluster.config import BatchingConfig, KVCacheConfig, ModelSpec
+from replicas.batcher import Batcher
 from replicas.engines import DraftEngine, TargetEngine
 from replicas.loading import load_causal_lm
 from replicas.protocol import Proposal, ProposeRequest, Verification, VerifyRequest
 
 logger = logging.getLogger("ray.serve")
 
+AFFINITY_ROUTER = RequestRouterConfig(
+    request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+    request_router_kwargs={"num_fallback_replicas": 2},
+)
+
 
 class _ModelReplica:
-    def __init__(self, role: str, spec: ModelSpec):
-        logger.info("loading %s model from %s (%s, %s)", role, spec.path, spec.dtype, spec.device)
-        self.model = load_causal_lm(spec)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{role}-model")
-        logger.info("%s model ready", role)
+    role: str
+    engine_class: type           # DraftEngine or TargetEngine
+    batched_method: str          # the engine method that takes a list of calls
+
+    def __init__(self, spec: ModelSpec, kv_cache: KVCacheConfig, batching: BatchingConfig):
+        logger.info("loading %s model from %s (%s, %s)", self.role, spec.path, spec.dtype, spec.device)
+        self.engine = self.engine_class(load_causal_lm(spec), kv_cache.max_tokens)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
+        run_batch = getattr(self.engine, self.batched_method)
+        self.batcher = Batcher(lambda calls: self._on_worker(run_batch, calls),
+                               batching.max_batch_size, batching.wait_ms / 1000)
+        logger.info("%s model ready", self.role)
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
@@ -35,25 +57,28 @@ class _ModelReplica:
         """Drop a finished sequence's cache."""
         await self._on_worker(self.engine.release, seq_id)
 
-    async def cached_sequences(self) -> int:
-        return len(self.engine.runner.caches)
+    async def describe(self, seq_id: str | None = None) -> dict:
+        """This replica's process, batching and cache state (and whether it holds seq_id).
+        Called with a sequence's id as session id, it reports on the replica serving it."""
+        caches, batcher = self.engine.runner.caches, self.batcher
+        return {"pid": os.getpid(), "batches": batcher.batches,
+                "mean_batch": round(batcher.calls / batcher.batches, 3) if batcher.batches else 0.0,
+                "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
+                "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
+                "holds": seq_id in caches if seq_id is not None else None}
 
 
-@serve.deployment(name="draft")
+@serve.deployment(name="draft", request_router_config=AFFINITY_ROUTER)
 class DraftPool(_ModelReplica):
-    def __init__(self, spec: ModelSpec, kv_cache: KVCacheConfig):
-        super().__init__("draft", spec)
-        self.engine = DraftEngine(self.model, kv_cache.max_sequences)
+    role, engine_class, batched_method = "draft", DraftEngine, "propose"
 
     async def propose(self, request: ProposeRequest) -> Proposal:
-        return await self._on_worker(self.engine.propose, request)
+        return await self.batcher.submit(request)
 
 
-@serve.deployment(name="target")
+@serve.deployment(name="target", request_router_config=AFFINITY_ROUTER)
 class TargetPool(_ModelReplica):
-    def __init__(self, spec: ModelSpec, kv_cache: KVCacheConfig):
-        super().__init__("target", spec)
-        self.engine = TargetEngine(self.model, kv_cache.max_sequences)
+    role, engine_class, batched_method = "target", TargetEngine, "verify"
 
-    async def verify(self, requests: list[VerifyRequest]) -> list[Verification]:
-        return await self._on_worker(self.engine.verify, requests)
+    async def verify(self, request: VerifyRequest) -> Verification:
+        return await self.batcher.submit(request)

@@ -1,62 +1,82 @@
-"""The draft engine proposes tokens; the target engine verifies them. Both sit on a
-ModelRunner, so a sequence they hold costs only its new positions."""
+"""The draft engine proposes tokens; the target engine verifies them. Both take the calls of
+many sequences at once and run them as batched forward passes on a ModelRunner, so a
+sequence they hold costs only its new positions."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 from transformers import PreTrainedModel
 
-from replicas.model_runner import ModelRunner
+from replicas.model_runner import ExtendCall, ModelRunner
 from replicas.protocol import Proposal, ProposeRequest, Verification, VerifyRequest
 from replicas.sampling import make_generator, sample, warped_probs
 from replicas.speculative import greedy_round, sampled_round
 
 
 class DraftEngine:
-    def __init__(self, model: PreTrainedModel, max_sequences: int):
-        self.runner = ModelRunner(model, max_sequences)
+    def __init__(self, model: PreTrainedModel, max_cached_tokens: int):
+        self.runner = ModelRunner(model, max_cached_tokens)
 
-    def propose(self, request: ProposeRequest) -> Proposal:
-        """k autoregressive draft steps; returns the ids and, when sampling, q [k, V]."""
-        tokens, drafts, rows, fed = list(request.tokens), [], [], 0
-        generator = make_generator(request.seed)
-        for _ in range(request.k):
-            step = self.runner.extend(request.seq_id, tokens, num_logits=1)
-            fed += step.positions_fed
-            if request.sampling.greedy:
-                token = int(step.logits[0].argmax())
-            else:
-                q = warped_probs(step.logits, request.sampling)[0]  # [V]
-                token = sample(q, generator)
-                rows.append(q)
-            drafts.append(token)
-            tokens.append(token)
-        probs = torch.stack(rows) if rows else None
-        return Proposal(drafts, probs, fed)
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        """k autoregressive draft steps per request; step s of every request that still wants
+        tokens runs in one batched forward pass. Returns ids and, when sampling, q [k, V]."""
+        started = time.perf_counter()
+        tokens = [list(r.tokens) for r in requests]
+        drafts: list[list[int]] = [[] for _ in requests]
+        rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        fed, batch_rows = [0] * len(requests), []
+        generators = [make_generator(r.seed) for r in requests]
+        for step in range(max(r.k for r in requests)):
+            active = [i for i, r in enumerate(requests) if r.k > step]
+            extensions = self.runner.extend_batch(
+                [ExtendCall(requests[i].seq_id, tokens[i], 1) for i in active])
+            for i, extension in zip(active, extensions):
+                fed[i] += extension.positions_fed
+                token = self._choose(extension.logits, requests[i], generators[i], rows[i])
+                drafts[i].append(token)
+                tokens[i].append(token)
+            batch_rows.append(len(active))
+        model_ms = (time.perf_counter() - started) * 1000
+        mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
+        return [Proposal(drafts[i], torch.stack(rows[i]) if rows[i] else None, fed[i], mean_rows, model_ms)
+                for i in range(len(requests))]
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, request: ProposeRequest, generator, rows: list) -> int:
+        if request.sampling.greedy:
+            return int(logits[0].argmax())
+        q = warped_probs(logits, request.sampling)[0]  # [V]
+        rows.append(q)
+        return sample(q, generator)
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
 
 
 class TargetEngine:
-    def __init__(self, model: PreTrainedModel, max_sequences: int):
-        self.runner = ModelRunner(model, max_sequences)
+    def __init__(self, model: PreTrainedModel, max_cached_tokens: int):
+        self.runner = ModelRunner(model, max_cached_tokens)
 
     def verify(self, requests: list[VerifyRequest]) -> list[Verification]:
-        """One forward pass per sequence over its last token and its drafts, then the
-        speculative sampling rule. Takes a list so that batching can come in behind it."""
-        return [self._verify_one(request) for request in requests]
+        """One batched forward pass over every sequence's last token and its drafts, then the
+        speculative sampling rule per sequence."""
+        started = time.perf_counter()
+        extensions = self.runner.extend_batch(
+            [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), len(r.draft_tokens) + 1)
+             for r in requests])  # logits [k+1, V] each
+        outcomes = [self._decide(r, e.logits) for r, e in zip(requests, extensions)]
+        model_ms = (time.perf_counter() - started) * 1000
+        return [Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms)
+                for o, e in zip(outcomes, extensions)]
 
-    def _verify_one(self, request: VerifyRequest) -> Verification:
+    @staticmethod
+    def _decide(request: VerifyRequest, logits: torch.Tensor):
         drafts = list(request.draft_tokens)
-        step = self.runner.extend(request.seq_id, list(request.tokens) + drafts,
-                                  num_logits=len(drafts) + 1)  # logits [k+1, V]
         if request.sampling.greedy:
-            outcome = greedy_round(step.logits, drafts)
-        else:
-            outcome = sampled_round(step.logits, drafts, request.draft_probs, request.sampling,
-                                    make_generator(request.seed))
-        return Verification(outcome.accepted, outcome.tokens, step.positions_fed)
+            return greedy_round(logits, drafts)
+        return sampled_round(logits, drafts, request.draft_probs, request.sampling, make_generator(request.seed))
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)

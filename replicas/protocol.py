@@ -24,6 +24,8 @@ class Proposal:
     tokens: list[int]                 # k draft ids
     probs: torch.Tensor | None        # q [k, V] they were sampled from; None when greedy
     positions_fed: int                # positions the draft model computed for this call
+    batch_rows: float                 # mean sequences per draft forward pass of this call
+    model_ms: float                   # wall time of the replica's batched propose
 
 
 @dataclass(frozen=True)
@@ -41,3 +43,5 @@ class Verification:
     accepted: int              # leading drafts kept
     tokens: list[int]          # accepted drafts + one recovered or bonus token
     positions_fed: int         # positions the target model computed for this sequence
+    batch_rows: int            # sequences in the forward pass that verified it
+    model_ms: float            # wall time of the replica's batched verify

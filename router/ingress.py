@@ -100,13 +100,13 @@ class Router:
         return await self._complete(gen, body, fmt)
 
     async def _complete(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat) -> dict:
-        stats, text, ids, finish = SpeculationStats(), [], [], None
-        async for delta in self.loop.run(gen, stats):
+        response_id, stats, text, ids, finish = fmt.new_id(), SpeculationStats(), [], [], None
+        async for delta in self.loop.run(gen, stats, seq_id=response_id):
             text.append(delta.text)
             ids.extend(delta.token_ids)
             finish = delta.finish_reason
         choice = fmt.choice("".join(text), finish, ids if body.return_token_ids else None)
-        return envelope(fmt.object, fmt.new_id(), body.model, [choice],
+        return envelope(fmt.object, response_id, body.model, [choice],
                         usage=usage(len(gen.prompt_ids), len(ids)), speculation=stats.as_dict())
 
     async def _stream(self, gen: Generation, body: _GenerationBody,
@@ -114,7 +114,7 @@ class Router:
         response_id, stats, produced, first = fmt.new_id(), SpeculationStats(), 0, True
         want_ids = body.return_token_ids
         try:
-            async for delta in self.loop.run(gen, stats):
+            async for delta in self.loop.run(gen, stats, seq_id=response_id):
                 produced += len(delta.token_ids)
                 if not (delta.text or delta.finish_reason or first or want_ids):
                     continue  # nothing a client could see yet (e.g. half a character)

@@ -7,20 +7,25 @@ which is the target-only baseline every comparison uses: same code, same caches.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
 from router.text import IncrementalDetokenizer, StopStringFilter
 
 logger = logging.getLogger("ray.serve")
-_CALL_ATTEMPTS = 3  # a call whose replica died is retried; the call carries all its state
+# A call whose replica died is retried until Serve has noticed and routes elsewhere (seconds).
+_CALL_ATTEMPTS = 12
+_RETRY_BACKOFF_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,29 @@ class Generation:
 
 @dataclass
 class SpeculationStats:
+    """Per-request counters. Model time is what the replicas spent in their batched engine
+    calls; coordination is the rest of each round as the router saw it: handle hops,
+    serialization, batch wait windows and queueing behind other batches."""
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    verify_batch_rows: int = 0      # summed over rounds
+    draft_batch_rows: float = 0.0   # summed over rounds that drafted
+    draft_rounds: int = 0
+    round_ms: float = 0.0           # summed wall time of rounds, at the router
+    model_ms: float = 0.0           # summed draft + target engine time of those rounds
+    retried_calls: int = 0          # calls repeated because their replica died
 
     def as_dict(self) -> dict:
         rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+        per_round = 1 / self.rounds if self.rounds else 0.0
         return {"rounds": self.rounds, "drafted_tokens": self.drafted_tokens,
-                "accepted_tokens": self.accepted_tokens, "acceptance_rate": round(rate, 4)}
+                "accepted_tokens": self.accepted_tokens, "acceptance_rate": round(rate, 4),
+                "mean_verify_batch": round(self.verify_batch_rows * per_round, 3),
+                "mean_draft_batch": round(self.draft_batch_rows / self.draft_rounds, 3) if self.draft_rounds else 0.0,
+                "round_ms": round(self.round_ms * per_round, 3),
+                "coordination_ms_per_round": round((self.round_ms - self.model_ms) * per_round, 3),
+                "retried_calls": self.retried_calls}
 
 
 @dataclass
@@ -73,35 +93,45 @@ class SpeculationLoop:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
 
-    async def run(self, gen: Generation, stats: SpeculationStats) -> AsyncIterator[Delta]:
-        seq_id = uuid.uuid4().hex
+    async def run(self, gen: Generation, stats: SpeculationStats, seq_id: str | None = None) -> AsyncIterator[Delta]:
+        seq_id = seq_id or uuid.uuid4().hex
+        # The sequence id doubles as Serve's session id: the pools route it to the replicas
+        # holding its caches (see replicas/deployments.py).
+        draft, target = (pool.options(session_id=seq_id) for pool in (self.draft, self.target))
         tokens = list(gen.prompt_ids)
         progress = _Progress(IncrementalDetokenizer(self.tokenizer), StopStringFilter(gen.stop))
         try:
             while True:
-                new_tokens = await self._round(seq_id, tokens, gen, stats)
+                new_tokens = await self._round(draft, target, seq_id, tokens, gen, stats)
                 delta = self._emit(new_tokens, progress, gen)
                 tokens.extend(delta.token_ids)
                 yield delta
                 if delta.finish_reason:
                     return
         finally:
-            self._release(seq_id)
+            _release(seq_id, draft, target)
 
-    async def _round(self, seq_id: str, tokens: list[int], gen: Generation,
+    async def _round(self, draft, target, seq_id: str, tokens: list[int], gen: Generation,
                      stats: SpeculationStats) -> list[int]:
+        started = time.perf_counter()
         remaining = gen.max_tokens - (len(tokens) - len(gen.prompt_ids))
         k = min(gen.k, remaining - 1)  # a round yields up to k + 1 tokens
         drafts, probs = [], None
         if k > 0:
-            proposal = await _call(self.draft.propose, ProposeRequest(
-                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
+            proposal = await _call(draft.propose, ProposeRequest(
+                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")), stats)
             drafts, probs = proposal.tokens, proposal.probs
-        [verdict] = await _call(self.target.verify, [VerifyRequest(
-            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"))])
+            stats.draft_batch_rows += proposal.batch_rows
+            stats.draft_rounds += 1
+            stats.model_ms += proposal.model_ms
+        verdict = await _call(target.verify, VerifyRequest(
+            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")), stats)
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
+        stats.verify_batch_rows += verdict.batch_rows
+        stats.model_ms += verdict.model_ms
+        stats.round_ms += (time.perf_counter() - started) * 1000
         return verdict.tokens
 
     def _emit(self, new_tokens: list[int], progress: _Progress, gen: Generation) -> Delta:
@@ -122,20 +152,26 @@ class SpeculationLoop:
         delta.text = progress.stops.release(final=delta.finish_reason is not None)
         return delta
 
-    def _release(self, seq_id: str) -> None:
-        """Free the sequence's caches; not awaited, since nothing depends on it."""
-        for pool in (self.draft, self.target):
-            try:
-                pool.release.remote(seq_id)
-            except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
-                logger.warning("could not release caches of %s", seq_id, exc_info=True)
 
 
-async def _call(method, request):
-    for attempt in range(1, _CALL_ATTEMPTS + 1):
+def _release(seq_id: str, *pools) -> None:
+    """Free the sequence's caches; not awaited, since nothing depends on it."""
+    for pool in pools:
+        try:
+            pool.release.remote(seq_id)
+        except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
+            logger.warning("could not release caches of %s", seq_id, exc_info=True)
+
+
+async def _call(method, request, stats: SpeculationStats):
+    """Call a pool; when the replica died, retry with backoff until Serve routes the call to
+    another replica (the call carries all its state, so any replica can answer it)."""
+    for attempt in range(_CALL_ATTEMPTS):
         try:
             return await method.remote(request)
-        except RayActorError:
-            if attempt == _CALL_ATTEMPTS:
+        except (RayActorError, ReplicaUnavailableError):
+            if attempt == _CALL_ATTEMPTS - 1:
                 raise
-            logger.warning("replica died during %s; retrying on another", method)
+            stats.retried_calls += 1
+            logger.warning("replica died during %s; retrying (attempt %d)", request.seq_id, attempt + 2)
+            await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, 2.0))

@@ -9,7 +9,7 @@ from ray import serve
 
 
 def cached_sequences(app: str) -> dict[str, int]:
-    return {pool: serve.get_deployment_handle(pool, app_name=app).cached_sequences.remote().result()
+    return {pool: serve.get_deployment_handle(pool, app_name=app).describe.remote().result()["cached_sequences"]
             for pool in ("draft", "target")}
 
 

@@ -3,14 +3,12 @@ every k and draft regime, streaming or not, up to max_tokens and stop-string bou
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 import torch
 
 from cluster.config import ModelSpec
 from replicas.loading import load_causal_lm, load_tokenizer
+from tests.http_client import complete, stream_complete
 
 PROMPTS = [
     "x",
@@ -19,41 +17,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 24
 KS = (1, 3, 5)
-
-
-def complete(url: str, prompt: str, **fields) -> dict:
-    body = {"model": "specserve", "prompt": prompt, "temperature": 0, "return_token_ids": True, **fields}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def stream_complete(url: str, prompt: str, **fields) -> dict:
-    """Reassemble a streamed completion into the non-streaming shape."""
-    body = {"model": "specserve", "prompt": prompt, "temperature": 0, "return_token_ids": True,
-            "stream": True, "stream_options": {"include_usage": True}, **fields}
-    text, ids, finish, usage, speculation, done = "", [], None, None, None, False
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: ")
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                done = True
-                continue
-            chunk = json.loads(data)
-            assert "error" not in chunk, chunk
-            for choice in chunk["choices"]:
-                text += choice["text"]
-                ids += choice["token_ids"]
-                finish = choice["finish_reason"] or finish
-            usage = chunk.get("usage") or usage
-            speculation = chunk.get("speculation") or speculation
-    assert done, "stream did not end with data: [DONE]"
-    return {"choices": [{"text": text, "token_ids": ids, "finish_reason": finish}],
-            "usage": usage, "speculation": speculation}
 
 
 @pytest.fixture(scope="module")

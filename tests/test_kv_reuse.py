@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from replicas.engines import DraftEngine, TargetEngine
-from replicas.model_runner import KVCacheStore, common_prefix_length
+from replicas.kv_cache import KVCacheStore, SequenceKV
+from replicas.model_runner import common_prefix_length
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY, SamplingParams
 from replicas.tiny_models import perturbed_copy, tiny_llama
@@ -28,7 +29,7 @@ def verify(engine: TargetEngine, tokens, drafts, seq_id="s", sampling=GREEDY, pr
 
 def test_verify_feeds_only_new_positions_when_the_cache_is_held(models):
     target, _ = models
-    engine = TargetEngine(target, max_sequences=4)
+    engine = TargetEngine(target, max_cached_tokens=1000)
     first = verify(engine, PROMPT, [7, 8, 9])
     assert first.positions_fed == len(PROMPT) + 3  # a new sequence: everything
     tokens = PROMPT + first.tokens
@@ -40,13 +41,13 @@ def test_verify_feeds_only_new_positions_when_the_cache_is_held(models):
 
 def test_a_replica_without_the_cache_gives_the_same_tokens(models):
     target, draft = models
-    holder, drafter = TargetEngine(target, max_sequences=4), DraftEngine(draft, max_sequences=4)
+    holder, drafter = TargetEngine(target, max_cached_tokens=1000), DraftEngine(draft, max_cached_tokens=1000)
     tokens = list(PROMPT)
     tokens += verify(holder, tokens, []).tokens  # the holder now caches the prompt
     for _ in range(6):
-        proposal = drafter.propose(ProposeRequest("s", tokens, 4, GREEDY, seed=0))
+        [proposal] = drafter.propose([ProposeRequest("s", tokens, 4, GREEDY, seed=0)])
         held = verify(holder, tokens, proposal.tokens)
-        fresh = verify(TargetEngine(target, max_sequences=4), tokens, proposal.tokens)
+        fresh = verify(TargetEngine(target, max_cached_tokens=1000), tokens, proposal.tokens)
         assert fresh.positions_fed == len(tokens) + 4 > held.positions_fed
         assert (fresh.accepted, fresh.tokens) == (held.accepted, held.tokens)
         tokens += held.tokens
@@ -54,9 +55,9 @@ def test_a_replica_without_the_cache_gives_the_same_tokens(models):
 
 def test_released_or_evicted_caches_are_rebuilt(models):
     target, _ = models
-    engine = TargetEngine(target, max_sequences=1)
-    before = verify(engine, PROMPT, [1, 2], seq_id="a")
-    verify(engine, PROMPT[:10], [3], seq_id="b")  # evicts "a": only one sequence fits
+    engine = TargetEngine(target, max_cached_tokens=25)
+    before = verify(engine, PROMPT, [1, 2], seq_id="a")  # 22 cached positions
+    verify(engine, PROMPT[:10], [3], seq_id="b")  # 11 more: over budget, so "a" is evicted
     again = verify(engine, PROMPT, [1, 2], seq_id="a")
     assert again.positions_fed == len(PROMPT) + 2
     assert again.tokens == before.tokens
@@ -67,13 +68,13 @@ def test_released_or_evicted_caches_are_rebuilt(models):
 def test_sampled_verify_is_the_same_with_or_without_the_cache(models):
     target, draft = models
     params = SamplingParams(temperature=0.9)
-    drafter = DraftEngine(draft, max_sequences=4)
-    proposal = drafter.propose(ProposeRequest("s", PROMPT, 4, params, seed=5))
+    drafter = DraftEngine(draft, max_cached_tokens=1000)
+    [proposal] = drafter.propose([ProposeRequest("s", PROMPT, 4, params, seed=5)])
     assert proposal.probs is not None and tuple(proposal.probs.shape) == (4, VOCAB)
-    holder = TargetEngine(target, max_sequences=4)
+    holder = TargetEngine(target, max_cached_tokens=1000)
     verify(holder, PROMPT[:-3], [], sampling=params)  # warm a shorter prefix of the cache
     held = verify(holder, PROMPT, proposal.tokens, sampling=params, probs=proposal.probs, seed=9)
-    fresh = verify(TargetEngine(target, max_sequences=4), PROMPT, proposal.tokens,
+    fresh = verify(TargetEngine(target, max_cached_tokens=1000), PROMPT, proposal.tokens,
                    sampling=params, probs=proposal.probs, seed=9)
     assert held.positions_fed < fresh.positions_fed
     assert held.tokens == fresh.tokens
@@ -81,18 +82,22 @@ def test_sampled_verify_is_the_same_with_or_without_the_cache(models):
 
 def test_draft_reuses_its_cache_across_rounds(models):
     _, draft = models
-    engine = DraftEngine(draft, max_sequences=4)
-    first = engine.propose(ProposeRequest("s", PROMPT, 4, GREEDY, seed=0))
+    engine = DraftEngine(draft, max_cached_tokens=1000)
+    [first] = engine.propose([ProposeRequest("s", PROMPT, 4, GREEDY, seed=0)])
     assert first.positions_fed == len(PROMPT) + 3  # prompt, then one position per later step
     accepted = first.tokens[:2] + [11]  # two drafts kept, then the target's own token
-    second = engine.propose(ProposeRequest("s", PROMPT + accepted, 4, GREEDY, seed=0))
+    [second] = engine.propose([ProposeRequest("s", PROMPT + accepted, 4, GREEDY, seed=0)])
     assert second.positions_fed == 1 + 3  # only the target's token is new, then 3 steps
 
 
-def test_common_prefix_and_lru_store():
+def test_common_prefix_and_token_budget_lru():
     assert common_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 3
     assert common_prefix_length([1, 2, 3], [1, 9, 3]) == 1
     assert common_prefix_length([], [1]) == 0
-    store = KVCacheStore(max_sequences=2)
-    store.take("a"), store.take("b"), store.take("a"), store.take("c")
-    assert "b" not in store and "a" in store and "c" in store
+    store = KVCacheStore(max_tokens=10)
+    store.put("a", SequenceKV([1] * 4, [])), store.put("b", SequenceKV([2] * 4, []))
+    store.get("a")                               # "b" is now least recently used
+    store.put("c", SequenceKV([3] * 4, []))      # 12 > 10 tokens: "b" goes
+    assert "b" not in store and "a" in store and "c" in store and store.cached_tokens == 8
+    store.put("d", SequenceKV([4] * 11, []))     # longer than the whole budget: not kept
+    assert "d" not in store and store.cached_tokens == 8

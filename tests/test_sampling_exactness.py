@@ -25,6 +25,7 @@ PROMPT = [1, 2, 3]
 SAMPLES = 2000
 BROKEN_RULE_SAMPLES = 1000  # gross errors need fewer samples to show
 K = 3
+BATCH = 8
 ALPHA = 1e-3
 SETTINGS = {
     "plain": SamplingParams(temperature=1.0),
@@ -52,21 +53,26 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
 
 def speculative_pairs(target, draft, params: SamplingParams, seed: int,
                       samples: int = SAMPLES) -> torch.Tensor:
-    """Counts [V, V] of the first two tokens of `samples` speculative generations."""
-    drafts, verifier = DraftEngine(draft, max_sequences=4), TargetEngine(target, max_sequences=4)
+    """Counts [V, V] of the first two tokens of `samples` speculative generations, run BATCH
+    at a time through the batched engines (rows diverge in length after the first round, so
+    the padded batch layout is part of what is tested)."""
+    drafts, verifier = DraftEngine(draft, max_cached_tokens=1000), TargetEngine(target, max_cached_tokens=1000)
     counts = torch.zeros(VOCAB, VOCAB)
-    for i in range(samples):
-        seq_id, tokens, round_index = f"s{i}", list(PROMPT), 0
-        while len(tokens) < len(PROMPT) + 2:
-            call_seed = seed * 1_000_003 + i
-            proposal = drafts.propose(ProposeRequest(
-                seq_id, tokens, K, params, round_seed(call_seed, round_index, "draft")))
-            [verdict] = verifier.verify([VerifyRequest(
-                seq_id, tokens, proposal.tokens, proposal.probs, params,
-                round_seed(call_seed, round_index, "target"))])
-            tokens += verdict.tokens
+    for first in range(0, samples, BATCH):
+        sequences = {i: list(PROMPT) for i in range(first, min(first + BATCH, samples))}
+        round_index = 0
+        while unfinished := [i for i, tokens in sequences.items() if len(tokens) < len(PROMPT) + 2]:
+            seeds = {i: seed * 1_000_003 + i for i in unfinished}
+            proposals = drafts.propose([ProposeRequest(
+                f"s{i}", sequences[i], K, params, round_seed(seeds[i], round_index, "draft")) for i in unfinished])
+            verdicts = verifier.verify([VerifyRequest(
+                f"s{i}", sequences[i], proposal.tokens, proposal.probs, params,
+                round_seed(seeds[i], round_index, "target")) for i, proposal in zip(unfinished, proposals)])
+            for i, verdict in zip(unfinished, verdicts):
+                sequences[i] += verdict.tokens
             round_index += 1
-        counts[tokens[len(PROMPT)], tokens[len(PROMPT) + 1]] += 1
+        for tokens in sequences.values():
+            counts[tokens[len(PROMPT)], tokens[len(PROMPT) + 1]] += 1
     return counts
 
 

@@ -1,0 +1,115 @@
+"""Concurrent requests through a real local Ray: batched verification and drafting keep greedy
+output identical to target-only decoding, a KV budget smaller than the load evicts and
+rebuilds without a wrong token, and a request survives the death of the replica holding its
+cache."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from ray import serve
+
+from cluster.app import build_app
+from cluster.config import ModelSpec
+from replicas.loading import load_causal_lm, load_tokenizer
+from tests.conftest import cluster_config
+from tests.http_client import complete, reassemble, stream_chunks
+
+PROMPTS = [
+    "import os\n",
+    "def main(argv):\n    parser = argparse.ArgumentParser()\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "x = 1\ny = 2\n",
+    "for i in range(10):\n    print(i)\n",
+    "try:\n    import json\nexcept ImportError:\n    json = None\n\n\n",
+    "if __name__ == '__main__':\n",
+    "# Copyright\n\"\"\"Utilities for parsing.\"\"\"\n\nimport re\n",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(zoo):
+    """Hugging Face generate() on the target alone: the tokens every test must reproduce."""
+    model = load_causal_lm(ModelSpec(path=zoo.target))
+    tokenizer = load_tokenizer(zoo.target)
+
+    @functools.cache
+    def reference(prompt: str, max_tokens: int) -> list[int]:
+        """Up to max_tokens, ending with EOS when the model emits it (as the server does)."""
+        ids = tokenizer.encode(prompt)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+        eos = tokenizer.eos_token_id
+        return out[:out.index(eos) + 1] if eos in out else out
+    return reference
+
+
+def deploy(ray_serve, name: str, config) -> str:
+    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    return f"{ray_serve}/{name}"
+
+
+def run_concurrently(url: str, prompts: list[str], **fields) -> list[dict]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(url, p, **fields), prompts))
+
+
+def test_eight_concurrent_streams_are_batched_and_exact(apps, greedy_reference):
+    results = run_concurrently(apps["perturbed"], PROMPTS, max_tokens=MAX_TOKENS, speculation={"k": 4})
+    for prompt, result in zip(PROMPTS, results):
+        assert result["choices"][0]["token_ids"] == greedy_reference(prompt, MAX_TOKENS)
+    stats = [r["speculation"] for r in results]
+    mean_verify_batch = sum(s["mean_verify_batch"] for s in stats) / len(stats)
+    mean_draft_batch = sum(s["mean_draft_batch"] for s in stats) / len(stats)
+    # One stream alone would be 1.0: forward passes carried several sequences.
+    assert mean_verify_batch > 1.5 and mean_draft_batch > 1.5, stats
+    assert all(s["coordination_ms_per_round"] >= 0 for s in stats)
+
+
+def test_kv_budget_of_two_sequences_evicts_and_rebuilds(ray_serve, zoo, greedy_reference):
+    tokenizer = load_tokenizer(zoo.target)
+    longest = max(len(tokenizer.encode(p)) for p in PROMPTS[:6]) + MAX_TOKENS + 8
+    budget = {"kv_cache": {"max_tokens": 2 * longest}, "resources": {"num_cpus": 0.1}}
+    config = cluster_config(zoo.target, zoo.drafts["perturbed"],
+                            pools={"router": {"resources": {"num_cpus": 0.1}}, "draft": budget, "target": budget})
+    url = deploy(ray_serve, "kv-budget", config)
+    try:
+        results = run_concurrently(url, PROMPTS[:6], max_tokens=MAX_TOKENS, speculation={"k": 4})
+        for prompt, result in zip(PROMPTS[:6], results):
+            assert result["choices"][0]["token_ids"] == greedy_reference(prompt, MAX_TOKENS)
+        for pool in ("draft", "target"):
+            state = serve.get_deployment_handle(pool, app_name="kv-budget").describe.remote().result()
+            assert state["evictions"] > 0, (pool, state)
+            assert state["cached_tokens"] <= 2 * longest
+    finally:
+        serve.delete("kv-budget")
+
+
+def test_request_survives_killing_the_replica_that_holds_its_cache(ray_serve, zoo, greedy_reference):
+    config = cluster_config(zoo.target, zoo.drafts["unrelated"],  # about one token per round: many rounds
+                            pools={"target": {"replicas": 2, "resources": {"num_cpus": 0.1}}})
+    url = deploy(ray_serve, "failover", config)
+    target = serve.get_deployment_handle("target", app_name="failover")
+    max_tokens = 240
+    prompt = max(PROMPTS, key=lambda p: len(greedy_reference(p, max_tokens)))  # the most rounds
+    try:
+        chunks = stream_chunks(url, prompt, max_tokens=max_tokens, speculation={"k": 2})
+        first = next(chunks)
+        seq_id = first["id"]
+        holder = target.options(session_id=seq_id).describe.remote(seq_id).result()
+        assert holder["holds"], holder
+        os.kill(holder["pid"], signal.SIGKILL)
+        received_before_kill = len(first["choices"][0]["token_ids"]) if first["choices"] else 0
+        result = reassemble([first, *chunks])
+        assert received_before_kill < max_tokens
+        assert result["choices"][0]["token_ids"] == greedy_reference(prompt, max_tokens)
+        after = target.options(session_id=seq_id).describe.remote().result()
+        assert after["pid"] != holder["pid"]
+    finally:
+        serve.delete("failover")
