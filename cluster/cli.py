@@ -1,4 +1,5 @@
-"""The `specserve` command: `up` starts the cluster, `config check` validates cluster.yaml."""
+"""The `specserve` command: `up` starts the cluster, `config check` validates cluster.yaml,
+`bench` measures it against its baselines."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     check = config_commands.add_parser("check", help="validate a cluster config, print every problem")
     check.add_argument("path", nargs="?", default=DEFAULT_CONFIG_FILE)
     check.set_defaults(handler=_config_check)
+
+    from cluster.bench.run import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 

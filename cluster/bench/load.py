@@ -1,0 +1,109 @@
+"""The load generator: streaming OpenAI completions against a specserve endpoint.
+
+Closed loop: C clients, each sending its next request as soon as the last one finished.
+Open loop: requests arrive as a Poisson process at a fixed rate, whatever the server's pace.
+Every request streams, so time to first token and the gaps between chunks are seen as a
+client sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str | None = None
+    latency_s: float = 0.0
+    ttft_s: float = 0.0
+    chunk_gaps_s: list[float] = field(default_factory=list)   # between token-bearing chunks
+    output_tokens: int = 0
+    speculation: dict = field(default_factory=dict)
+
+
+@dataclass
+class PhaseResult:
+    wall_s: float
+    requests: list[RequestResult]
+
+
+@dataclass(frozen=True)
+class Workload:
+    url: str                    # the server's base URL (without /v1)
+    model: str                  # the model id it serves
+    prompts: list[list[int]]    # token ids, used in turn
+    max_tokens: int
+    speculation: dict           # the request's `speculation` extension, e.g. {"enabled": False}
+
+    def prompt(self, i: int) -> list[int]:
+        return self.prompts[i % len(self.prompts)]
+
+
+async def one_request(client: httpx.AsyncClient, work: Workload, prompt: list[int]) -> RequestResult:
+    url, model, max_tokens, speculation = work.url, work.model, work.max_tokens, work.speculation
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation}
+    started, last, result = time.perf_counter(), None, RequestResult(ok=False)
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                data = line.removeprefix("data: ").strip()
+                if not data or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                now = time.perf_counter()
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    if last is None:
+                        result.ttft_s = now - started
+                    else:
+                        result.chunk_gaps_s.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                    result.speculation = chunk.get("speculation", {})
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = time.perf_counter() - started
+    result.ok = True
+    return result
+
+
+async def closed_loop(work: Workload, concurrency: int, num_requests: int) -> PhaseResult:
+    queue = [work.prompt(i) for i in range(num_requests)]
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def client_loop() -> None:
+            while queue:
+                prompt = queue.pop(0)
+                results.append(await one_request(client, work, prompt))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        return PhaseResult(time.perf_counter() - started, results)
+
+
+async def open_loop(work: Workload, rate: float, num_requests: int, seed: int = 0) -> PhaseResult:
+    arrivals = random.Random(seed)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as client:
+        tasks = []
+        started = time.perf_counter()
+        for i in range(num_requests):
+            tasks.append(asyncio.create_task(one_request(client, work, work.prompt(i))))
+            await asyncio.sleep(arrivals.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return PhaseResult(time.perf_counter() - started, list(results))

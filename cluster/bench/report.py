@@ -1,0 +1,97 @@
+"""Summaries of load phases, and the bench's outputs: a table, a JSON file and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cluster.bench.load import PhaseResult
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summarize(phase: PhaseResult) -> dict:
+    """Client-side latency and throughput, and the server's speculation counters, for a phase.
+    Per-round figures are weighted by each request's rounds."""
+    done = [r for r in phase.requests if r.ok]
+    gaps = [g for r in done for g in r.chunk_gaps_s]
+    spec = [r.speculation for r in done if r.speculation]
+    rounds = sum(s["rounds"] for s in spec)
+    drafted, accepted = sum(s["drafted_tokens"] for s in spec), sum(s["accepted_tokens"] for s in spec)
+    tokens = sum(r.output_tokens for r in done)
+
+    def per_round(key: str) -> float:
+        return sum(s[key] * s["rounds"] for s in spec) / rounds if rounds else 0.0
+
+    ms = 1000
+    return {
+        "requests": len(phase.requests), "failed": len(phase.requests) - len(done),
+        "errors": sorted({r.error for r in phase.requests if r.error})[:5],
+        "wall_s": round(phase.wall_s, 3), "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / phase.wall_s, 2) if phase.wall_s else 0.0,
+        "latency_p50_ms": round(percentile([r.latency_s for r in done], 50) * ms, 1),
+        "latency_p99_ms": round(percentile([r.latency_s for r in done], 99) * ms, 1),
+        "ttft_p50_ms": round(percentile([r.ttft_s for r in done], 50) * ms, 1),
+        "ttft_p99_ms": round(percentile([r.ttft_s for r in done], 99) * ms, 1),
+        "itl_p50_ms": round(percentile(gaps, 50) * ms, 2),
+        "itl_p99_ms": round(percentile(gaps, 99) * ms, 2),
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "tokens_per_round": round(tokens / rounds, 3) if rounds else 0.0,
+        "mean_verify_batch": round(per_round("mean_verify_batch"), 3),
+        "mean_draft_batch": round(sum(s["mean_draft_batch"] * s["rounds"] for s in spec if s["drafted_tokens"])
+                                  / max(1, sum(s["rounds"] for s in spec if s["drafted_tokens"])), 3),
+        "round_ms": round(per_round("round_ms"), 3),
+        "coordination_ms_per_round": round(per_round("coordination_ms_per_round"), 3),
+    }
+
+
+COLUMNS = [("concurrency", "C", "{}"), ("mode", "mode", "{}"), ("output_tokens_per_s", "tok/s", "{:.1f}"),
+           ("latency_p50_ms", "lat p50", "{:.0f}"), ("latency_p99_ms", "lat p99", "{:.0f}"),
+           ("ttft_p50_ms", "ttft p50", "{:.0f}"), ("itl_p50_ms", "itl p50", "{:.1f}"),
+           ("itl_p99_ms", "itl p99", "{:.1f}"), ("acceptance_rate", "accept", "{:.3f}"),
+           ("tokens_per_round", "tok/rnd", "{:.2f}"), ("mean_verify_batch", "vbatch", "{:.2f}"),
+           ("coordination_ms_per_round", "coord ms", "{:.1f}")]
+
+
+def table(rows: list[dict]) -> str:
+    header = " ".join(f"{title:>9}" for _, title, _ in COLUMNS)
+    lines = [header]
+    for row in rows:
+        lines.append(" ".join(f"{fmt.format(row[key]):>9}" for key, _, fmt in COLUMNS))
+    return "\n".join(lines)
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def plot(report: dict, path: Path) -> str | None:
+    """Throughput and p50 latency against concurrency, speculation on and off. Returns why
+    the plot was skipped, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "skipped: matplotlib is not installed (pip install 'specserve[bench]')"
+    runs = report["closed_loop"]
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, label in (("speculative", "speculative"), ("target_only", "target only")):
+        xs = [run["concurrency"] for run in runs]
+        throughput.plot(xs, [run[mode]["output_tokens_per_s"] for run in runs], marker="o", label=label)
+        latency.plot(xs, [run[mode]["latency_p50_ms"] for run in runs], marker="o", label=label)
+    throughput.set(xlabel="concurrent clients", ylabel="output tokens/s", title="Throughput")
+    latency.set(xlabel="concurrent clients", ylabel="request latency p50 (ms)", title="Latency")
+    for axes in (throughput, latency):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None

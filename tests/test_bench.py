@@ -1,0 +1,40 @@
+"""`specserve bench` end to end against a served app: both load modes, every baseline, and
+the three outputs (table, JSON with the documented keys, PNG)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from cluster.cli import main
+
+
+def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, capsys):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({
+        "models": {"target": {"path": str(zoo.target)}, "draft": {"path": str(zoo.drafts["perturbed"])}},
+        "limits": {"context_length": 512}, "speculation": {"k": 4}}))
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--url", apps["perturbed"], "--config", str(config), "--concurrency", "1", "3",
+                 "--request-rate", "20", "--num-requests", "3", "--max-tokens", "12", "--prompt-tokens", "16",
+                 "--hf-prompts", "1", "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
+    for run in report["closed_loop"] + report["open_loop"]:
+        spec, alone = run["speculative"], run["target_only"]
+        assert spec["failed"] == alone["failed"] == 0
+        assert spec["output_tokens"] == alone["output_tokens"] > 0   # greedy: the same tokens
+        assert spec["tokens_per_round"] > 1 and alone["tokens_per_round"] == 1
+        assert 0 < spec["acceptance_rate"] <= 1 and alone["acceptance_rate"] == 0
+        assert spec["mean_verify_batch"] >= 1 and spec["coordination_ms_per_round"] >= 0
+        assert run["speedup_vs_target_only"] > 0 and run["efficiency_vs_ideal"] > 0
+    assert report["ideal"]["cost_ratio"] > 0 and report["ideal"]["ideal_speedup"] > 0
+    assert report["hf_assisted"]["identical_outputs"] is True
+    assert set(report["summary"]) == {"speedup_vs_target_only", "efficiency_vs_ideal", "hf_assisted_speedup"}
+    assert report["vllm"].startswith("skipped")
+    png = out.with_suffix(".png")
+    assert report["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "speedup_vs_target_only" in printed and "transformers assisted generation" in printed
