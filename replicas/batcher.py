@@ -1,8 +1,10 @@
 """Continuous batching of single calls for one model worker.
 
 Calls queue up while the worker runs a batch; as soon as it is free it takes everything
-queued (up to max_batch_size), waiting at most `wait_s` after the first call for more to
-arrive. Batches therefore grow with load by themselves. Serve's own `serve.batch` forms its
+queued (up to max_batch_size). It waits for more calls, at most `wait_s` after the first,
+only while the batch is smaller than the largest of the recent batches: a lone stream never
+waits, and a group of streams that moves in step is gathered whole. Batches therefore grow
+with load by themselves. Serve's own `serve.batch` forms its
 next batch while the previous one still runs, which splits the calls that queued behind a
 busy model into several small batches; here the model being busy is what makes batches.
 """
@@ -10,8 +12,10 @@ busy model into several small batches; here the model being busy is what makes b
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Awaitable, Callable, Generic, TypeVar
 
+_RECENT_BATCHES = 16
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -25,6 +29,7 @@ class Batcher(Generic[Item, Result]):
         self.batches = 0          # batches run, and the calls they carried: their mean is
         self.calls = 0            # the replica's mean batch size
         self._queue: asyncio.Queue[tuple[Item, asyncio.Future]] = asyncio.Queue()
+        self._recent_sizes: deque[int] = deque(maxlen=_RECENT_BATCHES)
         self._consumer: asyncio.Task | None = None
 
     async def submit(self, item: Item) -> Result:
@@ -38,6 +43,7 @@ class Batcher(Generic[Item, Result]):
         while True:
             batch = await self._collect()
             self.batches, self.calls = self.batches + 1, self.calls + len(batch)
+            self._recent_sizes.append(len(batch))
             try:
                 results = await self.run_batch([item for item, _ in batch])
             except Exception as exc:  # noqa: BLE001 - every caller in the batch gets the error
@@ -52,12 +58,13 @@ class Batcher(Generic[Item, Result]):
     async def _collect(self) -> list[tuple[Item, asyncio.Future]]:
         loop = asyncio.get_running_loop()
         batch = [await self._queue.get()]
+        expected = max(self._recent_sizes, default=1)
         deadline = loop.time() + self.wait_s
         while len(batch) < self.max_batch_size:
             if not self._queue.empty():
                 batch.append(self._queue.get_nowait())
                 continue
-            remaining = deadline - loop.time()
+            remaining = deadline - loop.time() if len(batch) < expected else 0
             if remaining <= 0:
                 break
             try:

@@ -43,8 +43,8 @@ def test_an_error_reaches_every_caller_of_its_batch_and_the_batcher_goes_on():
     assert all(isinstance(r, ValueError) for r in results) and after == 2
 
 
-@pytest.mark.parametrize("wait_s", [0.0, 0.02])
-def test_wait_window_gathers_calls_that_arrive_soon_after_the_first(wait_s):
+@pytest.mark.parametrize("wait_s", [0.0, 0.05])
+def test_wait_window_gathers_a_group_that_arrives_almost_together(wait_s):
     sizes: list[int] = []
 
     async def run_batch(items):
@@ -53,9 +53,22 @@ def test_wait_window_gathers_calls_that_arrive_soon_after_the_first(wait_s):
 
     async def scenario():
         batcher = Batcher(run_batch, max_batch_size=8, wait_s=wait_s)
-        first = asyncio.create_task(batcher.submit(1))
+        await asyncio.gather(batcher.submit(1), batcher.submit(2))  # queued together: a batch of 2
+        first = asyncio.create_task(batcher.submit(3))
         await asyncio.sleep(0.005)
-        await asyncio.gather(first, batcher.submit(2))
+        await asyncio.gather(first, batcher.submit(4))
 
     asyncio.run(scenario())
-    assert sizes == ([1, 1] if wait_s == 0 else [2])
+    assert sizes == ([2, 1, 1] if wait_s == 0 else [2, 2])
+
+
+def test_a_lone_stream_does_not_wait_for_company():
+    async def run_batch(items):
+        return items
+
+    async def scenario():
+        batcher = Batcher(run_batch, max_batch_size=8, wait_s=30.0)
+        for i in range(3):  # each would take 30 s if the batcher waited for a second call
+            assert await asyncio.wait_for(batcher.submit(i), timeout=5) == i
+
+    asyncio.run(scenario())
