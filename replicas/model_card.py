@@ -10,7 +10,10 @@ import argparse
 import json
 from pathlib import Path
 
+import tempfile
+
 import torch
+from transformers import AutoConfig, LlamaForCausalLM
 
 from cluster.config import ModelSpec
 from replicas.acceptance import measure
@@ -48,7 +51,20 @@ def completions(models: Path, count: int = 3, prompt_tokens: int = 96, new_token
     return pairs
 
 
-def render(target: dict, draft: dict, acceptance: dict, samples: list[tuple[str, str]]) -> str:
+@torch.no_grad()
+def corpus_only_draft_acceptance(models: Path, work: Path, k: int = 4) -> float:
+    """Acceptance at k of the draft as it was before distillation (its corpus-stage
+    checkpoint), measured the same way: the evidence for distilling."""
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(models / "draft", local_files_only=True))
+    model.load_state_dict(torch.load(work / "draft" / "checkpoint.pt")["model"])
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        load_tokenizer(models / "draft").save_pretrained(folder)
+        return measure(models / "target", Path(folder), [k], prompts=32, prompt_tokens=128, new_tokens=64)[k].acceptance
+
+
+def render(target: dict, draft: dict, acceptance: dict, samples: list[tuple[str, str]],
+           corpus_only_k4: float, vocab_size: int) -> str:
     train_files, held_out_files = split(corpus_files())
     rows = "\n".join(f"| {k} | {t.acceptance:.3f} | {t.tokens_per_round:.2f} |" for k, t in acceptance.items())
     shown = "\n\n".join(f"Prompt (end):\n```python\n{p[-300:]}\n```\nTarget's greedy continuation:\n"
@@ -57,7 +73,14 @@ def render(target: dict, draft: dict, acceptance: dict, samples: list[tuple[str,
 
 Two Llama-architecture causal LMs (`LlamaForCausalLM`) for Python source code, trained by
 specserve itself, offline, with `python -m replicas.train_pair --out models/`. They share one
-byte-level BPE tokenizer (vocabulary 4,096, `<|endoftext|>` as EOS) and are stored in bf16.
+byte-level BPE tokenizer (vocabulary {vocab_size:,}, `<|endoftext|>` as EOS) and are stored in bf16.
+
+Why so small a vocabulary: the pair is about a thousand times smaller than the pairs people
+serve, and per-token agreement is what speculation lives on. With a 4,096-token BPE (3.4 bytes
+per token on held-out code) a 6.2 M target and a 0.6 M draft agreed on only 62 % of greedy
+tokens (0.33 acceptance at k = 4; git history of this card). At {vocab_size} tokens (about 2.0
+bytes per token) more of each identifier is a predictable continuation, and the embedding no
+longer takes most of the draft's parameter budget, so its layers can be wider and deeper.
 
 ## Data
 The standard library's own `.py` files (`sysconfig.get_paths()["stdlib"]`, site-packages
@@ -83,7 +106,8 @@ The draft is trained in two stages: first on the corpus with the next-token obje
 {draft['stage_steps'][1]} steps) by minimising KL(target || draft) over every position of the same
 kind of windows. Corpus training alone gives a draft that knows Python; distillation makes it
 agree with *this* target, which is what acceptance measures (greedy acceptance rewards the
-same argmax, sampled acceptance the overlap of the whole distributions).
+same argmax, sampled acceptance the overlap of the whole distributions). Measured the same way
+as below, the corpus-only draft reaches {corpus_only_k4:.3f} at k = 4; the distilled one ships.
 
 ## Greedy acceptance on held-out code
 `{ACCEPTANCE_COMMAND}` (32 held-out prompts of 128 tokens, 64 new tokens each):
@@ -112,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                          prompt_tokens=128, new_tokens=64)
     card = render(training_summary(args.models, "target", args.work, ["target"]),
                   training_summary(args.models, "draft", args.work, ["draft", "draft-distilled"]),
-                  acceptance, completions(args.models))
+                  acceptance, completions(args.models), corpus_only_draft_acceptance(args.models, args.work),
+                  len(load_tokenizer(args.models / "target")))
     for role in ("target", "draft"):
         (args.models / role / "README.md").write_text(card)
     print(card)
