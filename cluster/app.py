@@ -9,6 +9,7 @@ from ray.serve import Application
 from cluster.config import ClusterConfig
 from replicas.deployments import DraftPool, TargetPool
 from router.ingress import Router
+from router.routing import CACHE_AFFINITY
 
 APP_NAME = "specserve"
 
@@ -18,11 +19,13 @@ def build_app(config: ClusterConfig) -> Application:
     draft = DraftPool.options(
         num_replicas=pools.draft.replicas,
         max_ongoing_requests=pools.draft.max_ongoing_requests,
+        request_router_config=CACHE_AFFINITY,
         ray_actor_options=pools.draft.resources.ray_actor_options(),
     ).bind(config.models.draft, pools.draft.kv_cache, pools.draft.batching)
     target = TargetPool.options(
         num_replicas=pools.target.replicas,
         max_ongoing_requests=pools.target.max_ongoing_requests,
+        request_router_config=CACHE_AFFINITY,
         ray_actor_options=pools.target.resources.ray_actor_options(),
     ).bind(config.models.target, pools.target.kv_cache, pools.target.batching)
     return Router.options(

@@ -6,10 +6,8 @@ engine call. Model work runs on one worker thread per replica, so caches are nev
 by two threads at once and the replica's event loop stays free for health checks and for
 queueing the next batch while a forward pass runs.
 
-Routing is cache-affine: callers pass the sequence id as Serve's session id, and the pools
-use Serve's consistent-hash request router, so a sequence's calls reach the replica holding
-its cache. When that replica is gone or at max_ongoing_requests, the router falls back to
-the next replica on the ring, which rebuilds the cache from the call's token ids.
+Calls reach these replicas with cache affinity (router/routing.py), set where the
+application is built (cluster/app.py).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from cluster.config import BatchingConfig, KVCacheConfig, ModelSpec
 from replicas.batcher import Batcher
@@ -29,11 +26,6 @@ from replicas.loading import load_causal_lm
 from replicas.protocol import Proposal, ProposeRequest, Verification, VerifyRequest
 
 logger = logging.getLogger("ray.serve")
-
-AFFINITY_ROUTER = RequestRouterConfig(
-    request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
-    request_router_kwargs={"num_fallback_replicas": 2},
-)
 
 
 class _ModelReplica:
@@ -68,7 +60,7 @@ class _ModelReplica:
                 "holds": seq_id in caches if seq_id is not None else None}
 
 
-@serve.deployment(name="draft", request_router_config=AFFINITY_ROUTER)
+@serve.deployment(name="draft")
 class DraftPool(_ModelReplica):
     role, engine_class, batched_method = "draft", DraftEngine, "propose"
 
@@ -76,7 +68,7 @@ class DraftPool(_ModelReplica):
         return await self.batcher.submit(request)
 
 
-@serve.deployment(name="target", request_router_config=AFFINITY_ROUTER)
+@serve.deployment(name="target")
 class TargetPool(_ModelReplica):
     role, engine_class, batched_method = "target", TargetEngine, "verify"
 

@@ -96,7 +96,7 @@ class SpeculationLoop:
     async def run(self, gen: Generation, stats: SpeculationStats, seq_id: str | None = None) -> AsyncIterator[Delta]:
         seq_id = seq_id or uuid.uuid4().hex
         # The sequence id doubles as Serve's session id: the pools route it to the replicas
-        # holding its caches (see replicas/deployments.py). By value: the call goes to the
+        # holding its caches (router/routing.py). By value: the call goes to the
         # replica directly instead of through the object store, which halved a handle call
         # here (7.5 -> 4.0 ms median, docs/BENCHMARKS.md); every round pays two.
         draft, target = (pool.options(session_id=seq_id, _by_reference=False) for pool in (self.draft, self.target))
@@ -153,7 +153,6 @@ class SpeculationLoop:
                 break
         delta.text = progress.stops.release(final=delta.finish_reason is not None)
         return delta
-
 
 
 def _release(seq_id: str, *pools) -> None:
