@@ -16,9 +16,10 @@ from tests.conftest import cluster_config
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = REPO / "models"
-# The model card records 0.33 at k = 4 on 32 held-out prompts (the goal is 0.6, not reached
-# yet). A broken sampler, cache or position bookkeeping drives acceptance towards 0.
-ACCEPTANCE_FLOOR = 0.2
+# The model card records the held-out acceptance at k = 4 (above 0.6 on 32 prompts); these 8
+# prompts through the served path must stay above 0.5. A broken sampler, cache, batch layout
+# or position bookkeeping drives acceptance towards 0.
+ACCEPTANCE_FLOOR = 0.5
 SIZE_LIMIT = 60 * 2**20
 
 
