@@ -97,8 +97,8 @@ class SpeculationLoop:
         seq_id = seq_id or uuid.uuid4().hex
         # The sequence id doubles as Serve's session id: the pools route it to the replicas
         # holding its caches (router/routing.py). By value: the call goes to the
-        # replica directly instead of through the object store, which halved a handle call
-        # here (7.5 -> 4.0 ms median, docs/BENCHMARKS.md); every round pays two.
+        # replica directly instead of through the object store, 4.96 -> 3.75 ms median per
+        # call here (python -m cluster.bench.hops, docs/BENCHMARKS.md); a round makes two.
         draft, target = (pool.options(session_id=seq_id, _by_reference=False) for pool in (self.draft, self.target))
         tokens = list(gen.prompt_ids)
         progress = _Progress(IncrementalDetokenizer(self.tokenizer), StopStringFilter(gen.stop))
