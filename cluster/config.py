@@ -70,7 +70,21 @@ class KVCacheConfig(Strict):
 
 class BatchingConfig(Strict):
     max_batch_size: int = Field(16, ge=1, description="Most sequences in one batched call of a replica.")
-    wait_ms: float = Field(2.0, ge=0, description="How long a batch waits for more calls after its first.")
+    wait_ms: float = Field(25.0, ge=0, description="Longest a batch waits for more calls after its first.")
+    wait_for_active: bool = Field(
+        False, description="Wait for every sequence active on the replica (one that called before and is "
+                           "not finished) rather than for as many calls as recent batches carried.")
+
+
+class DraftBatchingConfig(BatchingConfig):
+    pass
+
+
+class TargetBatchingConfig(BatchingConfig):
+    # The target's batch size is what speculation under load is for; a window long enough for
+    # the draft pool's round trip lets it gather every stream (docs/BENCHMARKS.md).
+    wait_ms: float = Field(50.0, ge=0, description=BatchingConfig.model_fields["wait_ms"].description)
+    wait_for_active: bool = Field(True, description=BatchingConfig.model_fields["wait_for_active"].description)
 
 
 class _ModelPoolConfig(Strict):
@@ -78,7 +92,6 @@ class _ModelPoolConfig(Strict):
     max_ongoing_requests: int = Field(64, ge=1, description="Calls a replica accepts at once (Ray Serve's "
                                                             "max_ongoing_requests); more are routed elsewhere.")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
-    batching: BatchingConfig = Field(default_factory=BatchingConfig)
 
     @model_validator(mode="after")
     def batch_fits_ongoing(self):
@@ -89,11 +102,13 @@ class _ModelPoolConfig(Strict):
 
 
 class DraftPoolConfig(_ModelPoolConfig):
+    batching: DraftBatchingConfig = Field(default_factory=DraftBatchingConfig)
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
 
 
 class TargetPoolConfig(_ModelPoolConfig):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel shards per replica.")
+    batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
 
     @field_validator("tp_size")
@@ -114,6 +129,13 @@ class PoolsConfig(Strict):
     router: RouterPoolConfig = Field(default_factory=RouterPoolConfig)
     draft: DraftPoolConfig = Field(default_factory=DraftPoolConfig)
     target: TargetPoolConfig = Field(default_factory=TargetPoolConfig)
+
+    @model_validator(mode="after")
+    def one_pool_waits_for_active(self):
+        # Each would wait for the sequences the other one holds, until the windows run out.
+        if self.draft.batching.wait_for_active and self.target.batching.wait_for_active:
+            raise ValueError("batching.wait_for_active may be true for one of the draft and target pools only")
+        return self
 
 
 class SpeculationConfig(Strict):

@@ -1,19 +1,32 @@
-"""Continuous batching of single calls for one model worker.
+"""Continuous batching of the calls of many sequences for one model worker.
 
-Calls queue up while the worker runs a batch; as soon as it is free it takes everything
-queued (up to max_batch_size). It waits for more calls, at most `wait_s` after the first,
-only while the batch is smaller than the largest of the recent batches: a lone stream never
-waits, and a group of streams that moves in step is gathered whole. Batches therefore grow
-with load by themselves. Serve's own `serve.batch` forms its
-next batch while the previous one still runs, which splits the calls that queued behind a
-busy model into several small batches; here the model being busy is what makes batches.
+Calls queue while the worker runs a batch; as soon as it is free it takes everything queued
+(up to max_batch_size). Then it may wait, at most `wait_s` after the batch's first call, for
+more calls. What it waits for is one of two things:
+
+- `wait_for_active=True`: the sequences it knows to be active. Each sequence calls once per
+  round, so a sequence whose previous call this replica batched will call again until it is
+  released. Without this, streams split into groups that alternate between the draft and the
+  target pools and never meet (8 closed-loop streams gave verify batches of 3.35 on average,
+  docs/BENCHMARKS.md). A sequence that misses a whole window is not waited for again until
+  it calls again, so one that went away costs one window, once.
+- otherwise: as many calls as the largest of the recent batches, so a group of streams that
+  moves in step is gathered whole even when the router sends its calls a few ms apart.
+
+Either way a new sequence never makes a batch wait, and neither does a lone stream. Only one
+pool may wait for its active sequences: two pools that each wait for the sequences the
+other one holds would stall each other until their windows expire (cluster/config.py).
+
+Serve's own `serve.batch` forms its next batch while the previous one still runs, which
+splits the calls that queued behind a busy model into several small batches; here the model
+being busy is what makes batches.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import Awaitable, Callable, Generic, Hashable, TypeVar
 
 _RECENT_BATCHES = 16
 Item = TypeVar("Item")
@@ -22,28 +35,42 @@ Result = TypeVar("Result")
 
 class Batcher(Generic[Item, Result]):
     def __init__(self, run_batch: Callable[[list[Item]], Awaitable[list[Result]]],
-                 max_batch_size: int, wait_s: float):
+                 key: Callable[[Item], Hashable], max_batch_size: int, wait_s: float,
+                 wait_for_active: bool = False):
         self.run_batch = run_batch
+        self.key = key                # the sequence a call belongs to
         self.max_batch_size = max_batch_size
         self.wait_s = wait_s
-        self.batches = 0          # batches run, and the calls they carried: their mean is
-        self.calls = 0            # the replica's mean batch size
-        self._queue: asyncio.Queue[tuple[Item, asyncio.Future]] = asyncio.Queue()
+        self.wait_for_active = wait_for_active
+        self.batches = 0              # batches run, and the calls they carried: their mean is
+        self.calls = 0                # the replica's mean batch size
+        self.waited_s = 0.0           # summed time batches spent waiting for more calls
+        self.missed_windows = 0       # batches whose window ran out before what they waited for
+        self._queue: deque[tuple[Item, asyncio.Future]] = deque()
+        self._active: set[Hashable] = set()   # sequences expected to call again
         self._recent_sizes: deque[int] = deque(maxlen=_RECENT_BATCHES)
+        self._wakeup = asyncio.Event()        # a call arrived or a sequence was released
         self._consumer: asyncio.Task | None = None
 
     async def submit(self, item: Item) -> Result:
         if self._consumer is None or self._consumer.done():
             self._consumer = asyncio.create_task(self._consume())
         future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((item, future))
+        self._queue.append((item, future))
+        self._active.add(self.key(item))
+        self._wakeup.set()
         return await future
+
+    def release(self, key: Hashable) -> None:
+        """The sequence is finished: batches stop waiting for it."""
+        self._active.discard(key)
+        self._wakeup.set()
 
     async def _consume(self) -> None:
         while True:
             batch = await self._collect()
-            self.batches, self.calls = self.batches + 1, self.calls + len(batch)
             self._recent_sizes.append(len(batch))
+            self.batches, self.calls = self.batches + 1, self.calls + len(batch)
             try:
                 results = await self.run_batch([item for item, _ in batch])
             except Exception as exc:  # noqa: BLE001 - every caller in the batch gets the error
@@ -56,19 +83,37 @@ class Batcher(Generic[Item, Result]):
                     future.set_result(result)
 
     async def _collect(self) -> list[tuple[Item, asyncio.Future]]:
+        while not self._queue:
+            await self._wait_for_wakeup()
         loop = asyncio.get_running_loop()
-        batch = [await self._queue.get()]
-        expected = max(self._recent_sizes, default=1)
-        deadline = loop.time() + self.wait_s
-        while len(batch) < self.max_batch_size:
-            if not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-                continue
-            remaining = deadline - loop.time() if len(batch) < expected else 0
-            if remaining <= 0:
+        opened = loop.time()
+        deadline = opened + self.wait_s
+        batch: list[tuple[Item, asyncio.Future]] = []
+        keys: set[Hashable] = set()
+        while True:
+            while self._queue and len(batch) < self.max_batch_size:
+                batch.append(self._queue.popleft())
+                keys.add(self.key(batch[-1][0]))
+            if len(batch) == self.max_batch_size or self._complete(keys, len(batch)):
                 break
-            try:
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except asyncio.TimeoutError:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await self._wait_for_wakeup(remaining):
+                # Missed the window: wait for those again only once they call again.
+                self._active = keys | {self.key(item) for item, _ in self._queue}
+                self.missed_windows += 1
                 break
+        self.waited_s += loop.time() - opened
         return batch
+
+    def _complete(self, keys: set[Hashable], size: int) -> bool:
+        if self.wait_for_active:
+            return self._active <= keys
+        return size >= max(self._recent_sizes, default=1)
+
+    async def _wait_for_wakeup(self, timeout: float | None = None) -> bool:
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True

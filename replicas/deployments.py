@@ -38,15 +38,16 @@ class _ModelReplica:
         self.engine = self.engine_class(load_causal_lm(spec), kv_cache.max_tokens)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
         run_batch = getattr(self.engine, self.batched_method)
-        self.batcher = Batcher(lambda calls: self._on_worker(run_batch, calls),
-                               batching.max_batch_size, batching.wait_ms / 1000)
+        self.batcher = Batcher(lambda calls: self._on_worker(run_batch, calls), lambda call: call.seq_id,
+                               batching.max_batch_size, batching.wait_ms / 1000, batching.wait_for_active)
         logger.info("%s model ready", self.role)
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def release(self, seq_id: str) -> None:
-        """Drop a finished sequence's cache."""
+        """Drop a finished sequence's cache; batches stop waiting for it."""
+        self.batcher.release(seq_id)
         await self._on_worker(self.engine.release, seq_id)
 
     async def describe(self, seq_id: str | None = None) -> dict:
@@ -55,6 +56,7 @@ class _ModelReplica:
         caches, batcher = self.engine.runner.caches, self.batcher
         return {"pid": os.getpid(), "batches": batcher.batches,
                 "mean_batch": round(batcher.calls / batcher.batches, 3) if batcher.batches else 0.0,
+                "missed_windows": batcher.missed_windows, "waited_ms": round(batcher.waited_s * 1000, 1),
                 "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
                 "holds": seq_id in caches if seq_id is not None else None}

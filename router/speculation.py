@@ -119,6 +119,10 @@ class SpeculationLoop:
         remaining = gen.max_tokens - (len(tokens) - len(gen.prompt_ids))
         k = min(gen.k, remaining - 1)  # a round yields up to k + 1 tokens
         drafts, probs = [], None
+        if k == 0 and gen.k > 0:
+            # The last token needs no draft: free the draft pool's cache now, so its batches
+            # stop waiting for this sequence while it is at the target (replicas/batcher.py).
+            _release(seq_id, draft)
         if k > 0:
             proposal = await _call(draft.propose, ProposeRequest(
                 seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")), stats)

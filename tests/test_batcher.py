@@ -1,74 +1,130 @@
-"""Continuous batching: calls that queue while a batch runs form the next batch together."""
+"""Continuous batching: calls that queue while a batch runs form the next batch together, and
+a batch waits for the sequences known to call again."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from replicas.batcher import Batcher
 
 
+def _stream_of(call: tuple[str, int]) -> str:
+    return call[0]
+
+
+def _recording_batcher(sizes: list[int], max_batch_size: int, wait_s: float, busy_s: float = 0.0,
+                       wait_for_active: bool = True) -> Batcher:
+    async def run_batch(calls):
+        sizes.append(len(calls))
+        await asyncio.sleep(busy_s)
+        return [value for _, value in calls]
+    return Batcher(run_batch, _stream_of, max_batch_size, wait_s, wait_for_active)
+
+
+async def _stream(batcher: Batcher, name: str, rounds: int, start_s: float = 0.0, between_s: float = 0.0):
+    """One sequence: a call per round, with `between_s` spent elsewhere (the other pool)."""
+    await asyncio.sleep(start_s)
+    for r in range(rounds):
+        assert await batcher.submit((name, r)) == r
+        await asyncio.sleep(between_s)
+    batcher.release(name)
+
+
 def test_calls_queued_behind_a_busy_model_run_as_one_batch():
     sizes: list[int] = []
 
-    async def run_batch(items: list[int]) -> list[int]:
-        sizes.append(len(items))
-        await asyncio.sleep(0.05)  # the model is busy; more calls queue meanwhile
-        return [item * 10 for item in items]
-
     async def scenario() -> list[int]:
-        batcher = Batcher(run_batch, max_batch_size=4, wait_s=0.0)
-        first = asyncio.create_task(batcher.submit(0))
+        batcher = _recording_batcher(sizes, max_batch_size=4, wait_s=0.0, busy_s=0.05)
+        first = asyncio.create_task(batcher.submit(("s0", 0)))
         await asyncio.sleep(0.01)                   # the first call is running alone
-        rest = [asyncio.create_task(batcher.submit(i)) for i in range(1, 7)]
+        rest = [asyncio.create_task(batcher.submit((f"s{i}", i))) for i in range(1, 7)]
         return [await first] + [await task for task in rest]
 
-    assert asyncio.run(scenario()) == [0, 10, 20, 30, 40, 50, 60]
+    assert asyncio.run(scenario()) == [0, 1, 2, 3, 4, 5, 6]
     assert sizes == [1, 4, 2]  # then up to max_batch_size at a time, in arrival order
 
 
 def test_an_error_reaches_every_caller_of_its_batch_and_the_batcher_goes_on():
-    async def run_batch(items: list[int]) -> list[int]:
-        if 13 in items:
+    async def run_batch(calls):
+        if ("b", 13) in calls:
             raise ValueError("bad batch")
-        return items
+        return [value for _, value in calls]
 
     async def scenario():
-        batcher = Batcher(run_batch, max_batch_size=8, wait_s=0.01)
-        results = await asyncio.gather(batcher.submit(1), batcher.submit(13), return_exceptions=True)
-        return results, await batcher.submit(2)
+        batcher = Batcher(run_batch, _stream_of, max_batch_size=8, wait_s=0.01)
+        results = await asyncio.gather(batcher.submit(("a", 1)), batcher.submit(("b", 13)),
+                                       return_exceptions=True)
+        return results, await batcher.submit(("a", 2))
 
     results, after = asyncio.run(scenario())
     assert all(isinstance(r, ValueError) for r in results) and after == 2
 
 
-@pytest.mark.parametrize("wait_s", [0.0, 0.05])
-def test_wait_window_gathers_a_group_that_arrives_almost_together(wait_s):
+def test_streams_that_start_out_of_step_end_up_in_one_batch():
+    # Two groups of four streams, the second starting while the first is in its batch: without
+    # waiting for active sequences they alternate as two batches of four forever.
     sizes: list[int] = []
 
-    async def run_batch(items):
-        sizes.append(len(items))
-        return items
+    async def scenario():
+        batcher = _recording_batcher(sizes, max_batch_size=16, wait_s=1.0, busy_s=0.02)
+        await asyncio.gather(*(_stream(batcher, f"s{i}", rounds=10, start_s=0.01 * (i >= 4), between_s=0.02)
+                               for i in range(8)))
+
+    asyncio.run(scenario())
+    # The first batch runs before the second group exists, so that group ends a round later.
+    assert sizes == [4] + [8] * 9 + [4], str(sizes)
+
+
+@pytest.mark.parametrize("wait_for_active", [True, False])
+def test_a_lone_stream_does_not_wait_for_company(wait_for_active):
+    async def scenario():
+        batcher = _recording_batcher([], max_batch_size=8, wait_s=30.0, wait_for_active=wait_for_active)
+        # each call would take 30 s if the batcher waited for a second sequence
+        await asyncio.wait_for(_stream(batcher, "only", rounds=3), timeout=5)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 0.05])
+def test_without_active_waiting_a_batch_waits_for_as_many_calls_as_recent_batches(wait_s):
+    sizes: list[int] = []
 
     async def scenario():
-        batcher = Batcher(run_batch, max_batch_size=8, wait_s=wait_s)
-        await asyncio.gather(batcher.submit(1), batcher.submit(2))  # queued together: a batch of 2
-        first = asyncio.create_task(batcher.submit(3))
-        await asyncio.sleep(0.005)
-        await asyncio.gather(first, batcher.submit(4))
+        batcher = _recording_batcher(sizes, max_batch_size=8, wait_s=wait_s, wait_for_active=False)
+        await asyncio.gather(batcher.submit(("a", 0)), batcher.submit(("b", 0)))  # a batch of 2
+        first = asyncio.create_task(batcher.submit(("a", 1)))
+        await asyncio.sleep(0.005)          # the group's second call comes a little later
+        await asyncio.gather(first, batcher.submit(("b", 1)))
 
     asyncio.run(scenario())
     assert sizes == ([2, 1, 1] if wait_s == 0 else [2, 2])
 
 
-def test_a_lone_stream_does_not_wait_for_company():
-    async def run_batch(items):
-        return items
+def test_a_released_sequence_is_not_waited_for():
+    sizes: list[int] = []
 
     async def scenario():
-        batcher = Batcher(run_batch, max_batch_size=8, wait_s=30.0)
-        for i in range(3):  # each would take 30 s if the batcher waited for a second call
-            assert await asyncio.wait_for(batcher.submit(i), timeout=5) == i
+        batcher = _recording_batcher(sizes, max_batch_size=8, wait_s=30.0)
+        await asyncio.gather(batcher.submit(("done", 0)), batcher.submit(("going", 0)))
+        batcher.release("done")
+        await asyncio.wait_for(_stream(batcher, "going", rounds=3), timeout=5)
 
     asyncio.run(scenario())
+    assert sizes == [2, 1, 1, 1]
+
+
+def test_a_sequence_that_stops_calling_costs_one_window_once():
+    wait_s = 1.0
+
+    async def scenario() -> float:
+        batcher = _recording_batcher([], max_batch_size=8, wait_s=wait_s)
+        await asyncio.gather(batcher.submit(("gone", 0)), batcher.submit(("stays", 0)))
+        started = time.monotonic()   # "gone" never calls again and is never released
+        await _stream(batcher, "stays", rounds=4)
+        return time.monotonic() - started
+
+    # The first call waits out one window; waiting on every call would take 4 windows.
+    assert wait_s <= asyncio.run(scenario()) < 2.5 * wait_s

@@ -157,6 +157,20 @@ def test_tp_size_above_one_is_a_clear_error(models, tmp_path):
     assert "tensor parallelism" in problems[0] and "tp_size must be 1" in problems[0]
 
 
+def test_only_the_target_waits_for_its_active_sequences_by_default(models, tmp_path):
+    pools = parse_config(base_data(models), base=tmp_path).pools
+    assert pools.target.batching.wait_for_active and not pools.draft.batching.wait_for_active
+    # a partial batching section keeps the pool's own defaults
+    partial = parse_config(base_data(models, pools={"target": {"batching": {"max_batch_size": 8}}}), base=tmp_path)
+    assert partial.pools.target.batching.wait_for_active
+
+
+def test_both_pools_waiting_for_active_sequences_is_rejected(models, tmp_path):
+    problems = problems_of(base_data(models, pools={"draft": {"batching": {"wait_for_active": True}}}), tmp_path)
+    assert len(problems) == 1
+    assert problems[0].startswith("pools") and "wait_for_active" in problems[0]
+
+
 def test_k_above_max_k(models, tmp_path):
     problems = problems_of(base_data(models, speculation={"k": 5, "max_k": 4}), tmp_path)
     assert len(problems) == 1
