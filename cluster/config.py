@@ -122,6 +122,8 @@ class TargetPoolConfig(_ModelPoolConfig):
 class RouterPoolConfig(Strict):
     replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one router replica serves at once.")
+    gather_wait_ms: float = Field(20.0, ge=0, description="Longest a router holds the calls it gathers for a pool "
+                                                          "while another sequence is still emitting its last tokens.")
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.1))
 
 

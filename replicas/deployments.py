@@ -6,8 +6,9 @@ engine call. Model work runs on one worker thread per replica, so caches are nev
 by two threads at once and the replica's event loop stays free for health checks and for
 queueing the next batch while a forward pass runs.
 
-Calls reach these replicas with cache affinity (router/routing.py), set where the
-application is built (cluster/app.py).
+Each call carries the requests a router gathered (router/gathering.py). Calls reach these
+replicas with cache affinity (router/routing.py), set where the application is built
+(cluster/app.py).
 """
 
 from __future__ import annotations
@@ -66,13 +67,14 @@ class _ModelReplica:
 class DraftPool(_ModelReplica):
     role, engine_class, batched_method = "draft", DraftEngine, "propose"
 
-    async def propose(self, request: ProposeRequest) -> Proposal:
-        return await self.batcher.submit(request)
+    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        """The calls a router gathered; they join the batch of every other router's calls."""
+        return await asyncio.gather(*(self.batcher.submit(request) for request in requests))
 
 
 @serve.deployment(name="target")
 class TargetPool(_ModelReplica):
     role, engine_class, batched_method = "target", TargetEngine, "verify"
 
-    async def verify(self, request: VerifyRequest) -> Verification:
-        return await self.batcher.submit(request)
+    async def verify(self, requests: list[VerifyRequest]) -> list[Verification]:
+        return await asyncio.gather(*(self.batcher.submit(request) for request in requests))

@@ -20,6 +20,7 @@ from router.admission import Admission
 from router.errors import OpenAIError, server_error
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import CHAT, COMPLETION, ResponseFormat, envelope, sse, usage
+from router.routing import lane_count
 from router.speculation import Generation, SpeculationLoop, SpeculationStats
 
 logger = logging.getLogger("ray.serve")
@@ -71,7 +72,8 @@ class Router:
         tokenizer = load_tokenizer(config.models.target.path)
         vocab_size = _vocab_size(config)
         self.admission = Admission(config, tokenizer, vocab_size)
-        self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer))
+        self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer),
+                                    lane_count(config.pools), config.pools.router.gather_wait_ms / 1000)
 
     @app.get("/health")
     async def health(self) -> dict:

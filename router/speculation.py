@@ -8,10 +8,12 @@ which is the target-only baseline every comparison uses: same code, same caches.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -20,6 +22,8 @@ from ray.serve.exceptions import ReplicaUnavailableError
 
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
+from router.gathering import CallGatherer
+from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
 
 logger = logging.getLogger("ray.serve")
@@ -87,58 +91,90 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 
 
 class SpeculationLoop:
-    def __init__(self, draft, target, tokenizer, eos_token_ids: set[int]):
-        self.draft = draft      # DeploymentHandle of the draft pool
-        self.target = target    # DeploymentHandle of the target pool
+    def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], lanes: int = 1,
+                 gather_wait_s: float = 0.02):
+        # DeploymentHandles of the pools, by value: a call goes to the replica directly
+        # instead of through the object store, 4.96 -> 3.75 ms median per call here
+        # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
+        self.pools = {"draft": draft.options(_by_reference=False), "target": target.options(_by_reference=False)}
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.lanes = lanes
+        self.gatherer = CallGatherer(self._send, gather_wait_s)
+        self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
 
     async def run(self, gen: Generation, stats: SpeculationStats, seq_id: str | None = None) -> AsyncIterator[Delta]:
         seq_id = seq_id or uuid.uuid4().hex
-        # The sequence id doubles as Serve's session id: the pools route it to the replicas
-        # holding its caches (router/routing.py). By value: the call goes to the
-        # replica directly instead of through the object store, 4.96 -> 3.75 ms median per
-        # call here (python -m cluster.bench.hops, docs/BENCHMARKS.md); a round makes two.
-        draft, target = (pool.options(session_id=seq_id, _by_reference=False) for pool in (self.draft, self.target))
+        lane = lane_of(seq_id, self.lanes)
         tokens = list(gen.prompt_ids)
         progress = _Progress(IncrementalDetokenizer(self.tokenizer), StopStringFilter(gen.stop))
+        self.gatherer.begin(lane, seq_id)
         try:
             while True:
-                new_tokens = await self._round(draft, target, seq_id, tokens, gen, stats)
+                new_tokens = await self._round(lane, seq_id, tokens, gen, stats)
                 delta = self._emit(new_tokens, progress, gen)
                 tokens.extend(delta.token_ids)
                 yield delta
                 if delta.finish_reason:
                     return
         finally:
-            _release(seq_id, draft, target)
+            self.gatherer.finish(lane, seq_id)
+            self._retries.pop(seq_id, None)
+            self._release(lane, seq_id, "draft", "target")
 
-    async def _round(self, draft, target, seq_id: str, tokens: list[int], gen: Generation,
+    async def _round(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
                      stats: SpeculationStats) -> list[int]:
         started = time.perf_counter()
         remaining = gen.max_tokens - (len(tokens) - len(gen.prompt_ids))
         k = min(gen.k, remaining - 1)  # a round yields up to k + 1 tokens
         drafts, probs = [], None
         if k == 0 and gen.k > 0:
-            # The last token needs no draft: free the draft pool's cache now, so its batches
-            # stop waiting for this sequence while it is at the target (replicas/batcher.py).
-            _release(seq_id, draft)
+            # The last token needs no draft: free the draft pool's cache now.
+            self._release(lane, seq_id, "draft")
         if k > 0:
-            proposal = await _call(draft.propose, ProposeRequest(
-                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")), stats)
+            proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
+                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
             drafts, probs = proposal.tokens, proposal.probs
             stats.draft_batch_rows += proposal.batch_rows
             stats.draft_rounds += 1
             stats.model_ms += proposal.model_ms
-        verdict = await _call(target.verify, VerifyRequest(
-            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")), stats)
+        verdict = await self.gatherer.call("target", lane, seq_id, VerifyRequest(
+            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")))
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
         stats.verify_batch_rows += verdict.batch_rows
         stats.model_ms += verdict.model_ms
         stats.round_ms += (time.perf_counter() - started) * 1000
+        stats.retried_calls = self._retries[seq_id]
         return verdict.tokens
+
+    async def _send(self, pool: str, lane: str, requests: list) -> list:
+        """One call to a pool with the requests of a lane (router/gathering.py). When the
+        replica died, retry with backoff until Serve routes the call to another replica
+        (the requests carry all their state, so any replica can answer them)."""
+        method = getattr(self._lane_handle(pool, lane), "propose" if pool == "draft" else "verify")
+        for attempt in range(_CALL_ATTEMPTS):
+            try:
+                return await method.remote(requests)
+            except (RayActorError, ReplicaUnavailableError):
+                if attempt == _CALL_ATTEMPTS - 1:
+                    raise
+                self._retries.update(request.seq_id for request in requests)
+                logger.warning("replica died during a %s call; retrying (attempt %d)", pool, attempt + 2)
+                await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, 2.0))
+
+    @functools.cache
+    def _lane_handle(self, pool: str, lane: str):
+        return self.pools[pool].options(session_id=lane)
+
+    def _release(self, lane: str, seq_id: str, *pools: str) -> None:
+        """Free the sequence's caches; not awaited, since nothing depends on it."""
+        for pool in pools:
+            try:
+                self._lane_handle(pool, lane).release.remote(seq_id)
+            except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
+                logger.warning("could not release caches of %s", seq_id, exc_info=True)
 
     def _emit(self, new_tokens: list[int], progress: _Progress, gen: Generation) -> Delta:
         """Take the round's tokens one at a time until EOS, a stop string or max_tokens."""
@@ -157,26 +193,3 @@ class SpeculationLoop:
                 break
         delta.text = progress.stops.release(final=delta.finish_reason is not None)
         return delta
-
-
-def _release(seq_id: str, *pools) -> None:
-    """Free the sequence's caches; not awaited, since nothing depends on it."""
-    for pool in pools:
-        try:
-            pool.release.remote(seq_id)
-        except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
-            logger.warning("could not release caches of %s", seq_id, exc_info=True)
-
-
-async def _call(method, request, stats: SpeculationStats):
-    """Call a pool; when the replica died, retry with backoff until Serve routes the call to
-    another replica (the call carries all its state, so any replica can answer it)."""
-    for attempt in range(_CALL_ATTEMPTS):
-        try:
-            return await method.remote(request)
-        except (RayActorError, ReplicaUnavailableError):
-            if attempt == _CALL_ATTEMPTS - 1:
-                raise
-            stats.retried_calls += 1
-            logger.warning("replica died during %s; retrying (attempt %d)", request.seq_id, attempt + 2)
-            await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, 2.0))

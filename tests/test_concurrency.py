@@ -17,6 +17,7 @@ from ray import serve
 from cluster.app import build_app
 from cluster.config import ModelSpec
 from replicas.loading import load_causal_lm, load_tokenizer
+from router.routing import lane_count, lane_of
 from tests.conftest import cluster_config
 from tests.http_client import complete, reassemble, stream_chunks
 
@@ -102,14 +103,15 @@ def test_request_survives_killing_the_replica_that_holds_its_cache(ray_serve, zo
         chunks = stream_chunks(url, prompt, max_tokens=max_tokens, speculation={"k": 2})
         first = next(chunks)
         seq_id = first["id"]
-        holder = target.options(session_id=seq_id).describe.remote(seq_id).result()
+        lane = lane_of(seq_id, lane_count(config.pools))   # the session id its calls carry
+        holder = target.options(session_id=lane).describe.remote(seq_id).result()
         assert holder["holds"], holder
         os.kill(holder["pid"], signal.SIGKILL)
         received_before_kill = len(first["choices"][0]["token_ids"]) if first["choices"] else 0
         result = reassemble([first, *chunks])
         assert received_before_kill < max_tokens
         assert result["choices"][0]["token_ids"] == greedy_reference(prompt, max_tokens)
-        after = target.options(session_id=seq_id).describe.remote().result()
+        after = target.options(session_id=lane).describe.remote().result()
         assert after["pid"] != holder["pid"]
     finally:
         serve.delete("failover")

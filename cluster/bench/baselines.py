@@ -68,18 +68,27 @@ def hf_assisted_generation(target_dir: Path, draft_dir: Path, prompts: list[list
 
 
 @torch.inference_mode()
-def decode_step_ms(model_dir: Path, context: int, steps: int = 30) -> float:
-    """Median time of one single-token forward pass with `context` cached positions."""
-    model = load_causal_lm(ModelSpec(path=model_dir, device="cpu"))
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.ones((1, context), dtype=torch.long), cache=cache, use_cache=True)
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        model(input_ids=torch.ones((1, 1), dtype=torch.long), cache=cache, use_cache=True)
-        times.append((time.perf_counter() - started) * 1000)
-        cache.crop(-1)  # back to `context` positions
-    return statistics.median(times)
+def decode_step_ms(model_dirs: list[Path], context: int, steps: int = 60) -> list[float]:
+    """Median time of one single-token forward pass with `context` cached positions, per
+    model. The models take turns step by step, so a busy moment of the machine falls on all
+    of them alike, and run on one thread, as each serving replica does (one CPU each)."""
+    models = [load_causal_lm(ModelSpec(path=path, device="cpu")) for path in model_dirs]
+    caches = [DynamicCache(config=model.config) for model in models]
+    for model, cache in zip(models, caches):
+        model(input_ids=torch.ones((1, context), dtype=torch.long), cache=cache, use_cache=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: list[list[float]] = [[] for _ in models]
+    try:
+        for _ in range(steps):
+            for model, cache, model_times in zip(models, caches, times):
+                started = time.perf_counter()
+                model(input_ids=torch.ones((1, 1), dtype=torch.long), cache=cache, use_cache=True)
+                model_times.append((time.perf_counter() - started) * 1000)
+                cache.crop(-1)  # back to `context` positions
+    finally:
+        torch.set_num_threads(threads)
+    return [statistics.median(model_times) for model_times in times]
 
 
 def ideal_speedup(tokens_per_round: float, k: float, cost_ratio: float) -> float:

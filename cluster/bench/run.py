@@ -129,8 +129,7 @@ def _pair(head: dict, spec: dict, off: dict) -> dict:
 def _ideal(config: ClusterConfig, spec: dict, k: int, context: int) -> dict:
     from cluster.bench.baselines import decode_step_ms, ideal_speedup
 
-    target_ms = decode_step_ms(config.models.target.path, context)
-    draft_ms = decode_step_ms(config.models.draft.path, context)
+    target_ms, draft_ms = decode_step_ms([config.models.target.path, config.models.draft.path], context)
     ratio = draft_ms / target_ms
     return {"target_step_ms": round(target_ms, 3), "draft_step_ms": round(draft_ms, 3),
             "cost_ratio": round(ratio, 4), "tokens_per_round": spec["tokens_per_round"],
