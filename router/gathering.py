@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 
 # send(pool, lane, requests) -> one result per request, in order
 Send = Callable[[str, str, list], Awaitable[list]]
+_LINGER_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class _Call:
 class _Lane:
     between_calls: set[str] = field(default_factory=set)
     pending: dict[str, list[_Call]] = field(default_factory=lambda: defaultdict(list))
+    in_flight: int = 0                 # calls sent and not yet answered
     timer: asyncio.TimerHandle | None = None
 
 
@@ -68,12 +70,30 @@ class CallGatherer:
         self._flush_if_ready(lane)
         return await future
 
-    def _flush_if_ready(self, lane: str) -> None:
+    def _flush_if_ready(self, lane: str, lingered: bool = False) -> None:
         state = self._lanes[lane]
-        if not state.between_calls:
+        if not any(state.pending.values()):
+            return
+        if state.between_calls:
+            if state.timer is None:
+                self._set_timer(lane, self.wait_s, self._flush)
+        elif state.in_flight and not lingered:
+            # The answers of one replica batch come back as separate calls, a moment apart:
+            # going now would split the batch's sequences into groups for good.
+            if state.timer is None or state.timer.when() > asyncio.get_running_loop().time() + _LINGER_S:
+                self._set_timer(lane, _LINGER_S, lambda lane: self._flush_if_ready(lane, lingered=True))
+        else:
             self._flush(lane)
-        elif state.timer is None and any(state.pending.values()):
-            state.timer = asyncio.get_running_loop().call_later(self.wait_s, self._flush, lane)
+
+    def _set_timer(self, lane: str, delay_s: float, then: Callable[[str], None]) -> None:
+        state = self._lanes[lane]
+        if state.timer is not None:
+            state.timer.cancel()
+
+        def fire() -> None:
+            state.timer = None
+            then(lane)
+        state.timer = asyncio.get_running_loop().call_later(delay_s, fire)
 
     def _flush(self, lane: str) -> None:
         state = self._lanes[lane]
@@ -83,10 +103,12 @@ class CallGatherer:
         for pool, calls in list(state.pending.items()):
             if calls:
                 state.pending[pool] = []
+                state.in_flight += 1
                 self.calls_sent, self.requests_sent = self.calls_sent + 1, self.requests_sent + len(calls)
                 # A fresh context: the task would otherwise inherit the Serve request context of
-                # the sequence that happened to trigger the flush, and Serve cancels a request's
-                # child calls when that request ends, taking the other sequences' calls with it.
+                # the sequence that happened to trigger the flush. Serve ties calls made inside a
+                # request to it (and cancels them with it); sent so, a call shared by 8
+                # sequences hung once that one request had ended.
                 asyncio.create_task(self._send(pool, lane, calls), context=contextvars.Context())
 
     async def _send(self, pool: str, lane: str, calls: list[_Call]) -> None:
@@ -103,6 +125,7 @@ class CallGatherer:
         # All of them are between calls from now on, before the first one resumes: else its
         # next call would find the others not yet counted and go out alone.
         state = self._lanes[lane]
+        state.in_flight -= 1
         live = [(call, result) for call, result in zip(calls, results, strict=True)
                 if not call.future.done()]   # a sequence whose client went away cancelled it
         state.between_calls.update(call.seq_id for call, _ in live)

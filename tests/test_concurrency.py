@@ -68,8 +68,9 @@ def test_eight_concurrent_streams_are_batched_and_exact(apps, greedy_reference):
     stats = [r["speculation"] for r in results]
     mean_verify_batch = sum(s["mean_verify_batch"] for s in stats) / len(stats)
     mean_draft_batch = sum(s["mean_draft_batch"] for s in stats) / len(stats)
-    # One stream alone would be 1.0: forward passes carried several sequences.
-    assert mean_verify_batch > 1.5 and mean_draft_batch > 1.5, stats
+    # One stream alone would be 1.0. The target gathers every active stream (5.8 here when
+    # written); the issue asks for a mean verify batch of at least 4 at 8 streams.
+    assert mean_verify_batch >= 4 and mean_draft_batch > 1.5, stats
     assert all(s["coordination_ms_per_round"] >= 0 for s in stats)
 
 
