@@ -19,6 +19,7 @@ from cluster.config import ModelSpec
 from replicas.loading import load_causal_lm, load_tokenizer
 from router.routing import lane_count, lane_of
 from tests.conftest import cluster_config
+from tests.test_cache_release import wait_for_empty_caches
 from tests.http_client import complete, reassemble, stream_chunks
 
 PROMPTS = [
@@ -116,3 +117,26 @@ def test_request_survives_killing_the_replica_that_holds_its_cache(ray_serve, zo
         assert after["pid"] != holder["pid"]
     finally:
         serve.delete("failover")
+
+
+def test_a_client_that_disconnects_mid_stream_does_not_hold_up_the_others(apps, greedy_reference):
+    # The streams share gathered calls (router/gathering.py): the one that goes away must
+    # neither stall nor cut short the others, and its caches are freed.
+    url, max_tokens = apps["perturbed"], 48
+    prompts = PROMPTS[:4]
+
+    def leave_after_first_chunk() -> None:
+        chunks = stream_chunks(url, PROMPTS[4], max_tokens=max_tokens, speculation={"k": 4})
+        next(chunks)
+        chunks.close()   # closes the HTTP stream with the generation still running
+
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        leaving = pool.submit(leave_after_first_chunk)
+        streams = [pool.submit(lambda p: reassemble(stream_chunks(url, p, max_tokens=max_tokens,
+                                                                  speculation={"k": 4})), p) for p in prompts]
+        leaving.result(timeout=120)
+        results = [stream.result(timeout=120) for stream in streams]
+    for prompt, result in zip(prompts, results):
+        assert result["choices"][0]["token_ids"] == greedy_reference(prompt, max_tokens)
+    assert wait_for_empty_caches("spec-perturbed") == {"draft": 0, "target": 0}
+    assert complete(url, PROMPTS[5], max_tokens=8)["choices"][0]["token_ids"] == greedy_reference(PROMPTS[5], 8)
