@@ -45,9 +45,12 @@ class _Lane:
 
 
 class CallGatherer:
-    def __init__(self, send: Send, wait_s: float):
+    def __init__(self, send: Send, wait_s: float, abandoned: Callable[[str, str, str], None] = lambda *_: None):
         self.send = send
         self.wait_s = wait_s
+        # abandoned(pool, lane, seq_id): an answer came for a sequence that went away meanwhile;
+        # the replica may have rebuilt its cache after the sequence's release.
+        self.abandoned = abandoned
         self.calls_sent = 0          # handle calls made, and the requests they carried
         self.requests_sent = 0
         self._lanes: dict[str, _Lane] = defaultdict(_Lane)
@@ -120,6 +123,9 @@ class CallGatherer:
                 raise
             return
         self._hand_back(lane, calls, results)
+        for call in calls:
+            if call.future.cancelled():
+                self.abandoned(pool, lane, call.seq_id)
 
     def _hand_back(self, lane: str, calls: list[_Call], results: list) -> None:
         # All of them are between calls from now on, before the first one resumes: else its

@@ -8,6 +8,7 @@ which is the target-only baseline every comparison uses: same code, same caches.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import hashlib
 import logging
@@ -100,7 +101,8 @@ class SpeculationLoop:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.lanes = lanes
-        self.gatherer = CallGatherer(self._send, gather_wait_s)
+        self.gatherer = CallGatherer(self._send, gather_wait_s,
+                                     abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
         self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
 
     async def run(self, gen: Generation, stats: SpeculationStats, seq_id: str | None = None) -> AsyncIterator[Delta]:
@@ -169,10 +171,12 @@ class SpeculationLoop:
         return self.pools[pool].options(session_id=lane)
 
     def _release(self, lane: str, seq_id: str, *pools: str) -> None:
-        """Free the sequence's caches; not awaited, since nothing depends on it."""
+        """Free the sequence's caches; not awaited, since nothing depends on it. Sent from a
+        fresh context: Serve cancels the calls a cancelled request (a client that went away)
+        makes, and these are made as it unwinds."""
         for pool in pools:
             try:
-                self._lane_handle(pool, lane).release.remote(seq_id)
+                contextvars.Context().run(self._lane_handle(pool, lane).release.remote, seq_id)
             except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
                 logger.warning("could not release caches of %s", seq_id, exc_info=True)
 

@@ -125,8 +125,11 @@ def test_a_client_that_disconnects_mid_stream_does_not_hold_up_the_others(apps, 
     url, max_tokens = apps["perturbed"], 48
     prompts = PROMPTS[:4]
 
+    # the longest generation, so that the client surely leaves in the middle of it
+    leaving_prompt = max(PROMPTS[4:], key=lambda p: len(greedy_reference(p, 240)))
+
     def leave_after_first_chunk() -> None:
-        chunks = stream_chunks(url, PROMPTS[4], max_tokens=max_tokens, speculation={"k": 4})
+        chunks = stream_chunks(url, leaving_prompt, max_tokens=240, speculation={"k": 4})
         next(chunks)
         chunks.close()   # closes the HTTP stream with the generation still running
 

@@ -167,3 +167,20 @@ def test_answers_of_one_replica_batch_that_come_back_apart_go_out_together_again
 
     asyncio.run(scenario())
     assert sizes == {"draft": [3, 1], "target": [4]}
+
+
+def test_an_answer_for_a_sequence_that_went_away_is_reported():
+    # Its release may have reached the replica before the call did, which then rebuilt the
+    # cache: the router is told, so that it can release it again.
+    pools, abandoned = Pools(delay_s=0.02), []
+
+    async def scenario():
+        gatherer = _begun(CallGatherer(pools.send, wait_s=1.0, abandoned=lambda *args: abandoned.append(args)),
+                          "gone")
+        gone = asyncio.create_task(_sequence(gatherer, "gone", rounds=3))
+        await asyncio.sleep(0.005)
+        gone.cancel()                 # while its draft call is out
+        await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())
+    assert abandoned == [("draft", "lane", "gone")]
