@@ -46,6 +46,10 @@ class _ModelReplica:
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
+    async def _submit_all(self, requests: list) -> list:
+        """The calls a router gathered; they join the batch of every other router's calls."""
+        return await asyncio.gather(*(self.batcher.submit(request) for request in requests))
+
     async def release(self, seq_id: str) -> None:
         """Drop a finished sequence's cache; batches stop waiting for it."""
         self.batcher.release(seq_id)
@@ -68,8 +72,7 @@ class DraftPool(_ModelReplica):
     role, engine_class, batched_method = "draft", DraftEngine, "propose"
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        """The calls a router gathered; they join the batch of every other router's calls."""
-        return await asyncio.gather(*(self.batcher.submit(request) for request in requests))
+        return await self._submit_all(requests)
 
 
 @serve.deployment(name="target")
@@ -77,4 +80,4 @@ class TargetPool(_ModelReplica):
     role, engine_class, batched_method = "target", TargetEngine, "verify"
 
     async def verify(self, requests: list[VerifyRequest]) -> list[Verification]:
-        return await asyncio.gather(*(self.batcher.submit(request) for request in requests))
+        return await self._submit_all(requests)

@@ -51,8 +51,6 @@ class CallGatherer:
         # abandoned(pool, lane, seq_id): an answer came for a sequence that went away meanwhile;
         # the replica may have rebuilt its cache after the sequence's release.
         self.abandoned = abandoned
-        self.calls_sent = 0          # handle calls made, and the requests they carried
-        self.requests_sent = 0
         self._lanes: dict[str, _Lane] = defaultdict(_Lane)
 
     def begin(self, lane: str, seq_id: str) -> None:
@@ -107,7 +105,6 @@ class CallGatherer:
             if calls:
                 state.pending[pool] = []
                 state.in_flight += 1
-                self.calls_sent, self.requests_sent = self.calls_sent + 1, self.requests_sent + len(calls)
                 # A fresh context: the task would otherwise inherit the Serve request context of
                 # the sequence that happened to trigger the flush. Serve ties calls made inside a
                 # request to it (and cancels them with it); sent so, a call shared by 8

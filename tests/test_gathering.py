@@ -52,11 +52,9 @@ def test_sequences_in_step_share_one_call_per_pool_and_round():
     async def scenario():
         gatherer = _begun(CallGatherer(pools.send, wait_s=5.0), *(f"s{i}" for i in range(8)))
         await asyncio.gather(*(_sequence(gatherer, f"s{i}", rounds=5, emit_s=0.001 * i) for i in range(8)))
-        return gatherer
 
-    gatherer = asyncio.run(scenario())
+    asyncio.run(scenario())
     assert pools.sizes == {"draft": [8] * 5, "target": [8] * 5}
-    assert (gatherer.calls_sent, gatherer.requests_sent) == (10, 80)
 
 
 def test_a_late_sequence_does_not_wait_for_those_inside_a_call():
