@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from cluster.config import ClusterConfig
 from replicas.deployments import DraftPool, TargetPool
@@ -12,6 +13,9 @@ from router.ingress import Router
 from router.routing import CACHE_AFFINITY
 
 APP_NAME = "specserve"
+# Router slots beyond its gate's running and queued requests: health checks, model listings
+# and refusals take microseconds each, so this many keep them from ever waiting.
+CONTROL_HEADROOM = 64
 
 
 def build_app(config: ClusterConfig) -> Application:
@@ -28,10 +32,16 @@ def build_app(config: ClusterConfig) -> Application:
         request_router_config=CACHE_AFFINITY,
         ray_actor_options=pools.target.resources.ray_actor_options(),
     ).bind(config.models.target, pools.target.kv_cache, pools.target.batching)
+    router = pools.router
     return Router.options(
-        num_replicas=pools.router.replicas,
-        max_ongoing_requests=pools.router.max_ongoing_requests,
-        ray_actor_options=pools.router.resources.ray_actor_options(),
+        num_replicas=router.replicas,
+        # The router's own gate admits and queues generation requests (router/gate.py); Serve
+        # lets through that many and room for /health and for the gate's quick refusals.
+        max_ongoing_requests=router.max_ongoing_requests + router.max_queued_requests + CONTROL_HEADROOM,
+        # The last line, when even that room is taken: Serve's own 429 (a plain-text body).
+        max_queued_requests=CONTROL_HEADROOM,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=router.retry_after_s),
+        ray_actor_options=router.resources.ray_actor_options(),
     ).bind(draft, target, config)
 
 

@@ -104,12 +104,19 @@ class _ModelPoolConfig(Strict):
 class DraftPoolConfig(_ModelPoolConfig):
     batching: DraftBatchingConfig = Field(default_factory=DraftBatchingConfig)
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.5))
+    call_timeout_ms: float = Field(
+        1000.0, gt=0, description="A propose call unanswered after this is given up: its sequences verify "
+                                  "without drafts (k = 0) for the round, and the router goes on without "
+                                  "drafts until a probe finds the pool answering again.")
 
 
 class TargetPoolConfig(_ModelPoolConfig):
     tp_size: int = Field(1, ge=1, description="Tensor-parallel shards per replica.")
     batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
+    call_timeout_s: float = Field(
+        60.0, gt=0, description="A verify call unanswered after this fails its requests (504): there "
+                                "is no output without the target.")
 
     @field_validator("tp_size")
     @classmethod
@@ -121,7 +128,11 @@ class TargetPoolConfig(_ModelPoolConfig):
 
 class RouterPoolConfig(Strict):
     replicas: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(256, ge=1, description="HTTP requests one router replica serves at once.")
+    max_ongoing_requests: int = Field(64, ge=1, description="Generation requests one router replica runs at once.")
+    max_queued_requests: int = Field(
+        64, ge=0, description="Generation requests one router replica holds waiting for a free slot; beyond "
+                              "them a request is refused at once with 429 and Retry-After.")
+    retry_after_s: int = Field(1, ge=0, description="The Retry-After (seconds) a refused request is given.")
     gather_wait_ms: float = Field(20.0, ge=0, description="Longest a router holds the calls it gathers for a pool "
                                                           "while another sequence is still emitting its last tokens.")
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.1))
@@ -148,16 +159,30 @@ class SpeculationConfig(Strict):
     _k_within_max = _at_most("k", "max_k")
 
 
+API_KEYS_ENV = "SPECSERVE_API_KEYS"
+
+
 class ServerConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     model_name: str = Field("specserve", description="The model id clients send and /v1/models lists.")
+    api_keys_file: Path | None = Field(
+        None, strict=False,
+        description=f"A file of API keys, one per line ('#' comments); with it, or with the environment "
+                    f"variable {API_KEYS_ENV} (comma-separated) set where the router runs, every /v1 "
+                    f"request needs 'Authorization: Bearer <key>'. Never put the keys in this file.")
 
 
 class LimitsConfig(Strict):
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when a request gives none.")
     context_length: int = Field(2048, ge=2, description="Prompt plus completion, in tokens.")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body; a larger one is "
+                                                                "refused (413) before it is read.")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string a request may give.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of a request from its arrival, queueing included: an overdue "
+                                 "request ends with 504 (or a final SSE error event) and frees its caches.")
 
     _default_within_cap = _at_most("default_max_tokens", "max_tokens")
 
@@ -190,12 +215,16 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{_key_path(error['loc'])}: {message}"
 
 
-def _resolve_model_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
+def _resolve_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
     def resolved(spec: ModelSpec) -> ModelSpec:
         path = spec.path if spec.path.is_absolute() else (base / spec.path)
         return spec.model_copy(update={"path": path.resolve()})
 
     models = ModelsConfig(target=resolved(config.models.target), draft=resolved(config.models.draft))
+    keys_file = config.server.api_keys_file
+    if keys_file is not None and not keys_file.is_absolute():
+        server = config.server.model_copy(update={"api_keys_file": (base / keys_file).resolve()})
+        return config.model_copy(update={"models": models, "server": server})
     return config.model_copy(update={"models": models})
 
 
@@ -222,6 +251,13 @@ def _model_problems(config: ClusterConfig) -> list[str]:
     return problems
 
 
+def _file_problems(config: ClusterConfig) -> list[str]:
+    keys_file = config.server.api_keys_file
+    if keys_file is not None and not keys_file.is_file():
+        return [f"server.api_keys_file: no such file {keys_file}"]
+    return []
+
+
 def _model_shape(config_file: Path) -> dict[str, Any]:
     try:
         data = json.loads(config_file.read_text())
@@ -238,8 +274,8 @@ def parse_config(data: Any, base: Path, source: str = "<config>") -> ClusterConf
         config = ClusterConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(source, [_describe(e) for e in exc.errors()]) from None
-    config = _resolve_model_paths(config, base)
-    problems = _model_problems(config)
+    config = _resolve_paths(config, base)
+    problems = _model_problems(config) + _file_problems(config)
     if problems:
         raise ConfigError(source, problems)
     return config

@@ -26,11 +26,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Generic, Hashable, TypeVar
 
 _RECENT_BATCHES = 16
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class _Failed:
+    exc: Exception
 
 
 class Batcher(Generic[Item, Result]):
@@ -46,6 +52,7 @@ class Batcher(Generic[Item, Result]):
         self.calls = 0                # the replica's mean batch size
         self.waited_s = 0.0           # summed time batches spent waiting for more calls
         self.missed_windows = 0       # batches whose window ran out before what they waited for
+        self.isolation_reruns = 0     # failed batches rerun call by call to find the failing ones
         self._queue: deque[tuple[Item, asyncio.Future]] = deque()
         self._active: set[Hashable] = set()   # sequences expected to call again
         self._recent_sizes: deque[int] = deque(maxlen=_RECENT_BATCHES)
@@ -71,16 +78,32 @@ class Batcher(Generic[Item, Result]):
             batch = await self._collect()
             self._recent_sizes.append(len(batch))
             self.batches, self.calls = self.batches + 1, self.calls + len(batch)
-            try:
-                results = await self.run_batch([item for item, _ in batch])
-            except Exception as exc:  # noqa: BLE001 - every caller in the batch gets the error
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
+            results = await self._run_isolated([item for item, _ in batch])
             for (_, future), result in zip(batch, results, strict=True):
-                if not future.done():  # a caller that went away cancelled its future
+                if future.done():  # a caller that went away cancelled its future
+                    continue
+                if isinstance(result, _Failed):
+                    future.set_exception(result.exc)
+                else:
                     future.set_result(result)
+
+    async def _run_isolated(self, items: list[Item]) -> list:
+        """The batch's results; when the batch as a whole fails, each call is run alone, so
+        that only the calls that fail alone get an error (a poison call must not fail the
+        calls it happened to be batched with)."""
+        try:
+            return await self.run_batch(items)
+        except Exception as exc:  # noqa: BLE001 - narrowed down below
+            if len(items) == 1:
+                return [_Failed(exc)]
+        self.isolation_reruns += 1
+        results = []
+        for item in items:
+            try:
+                results.extend(await self.run_batch([item]))
+            except Exception as exc:  # noqa: BLE001 - this call's own failure
+                results.append(_Failed(exc))
+        return results
 
     async def _collect(self) -> list[tuple[Item, asyncio.Future]]:
         while not self._queue:

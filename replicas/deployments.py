@@ -24,7 +24,7 @@ from cluster.config import BatchingConfig, KVCacheConfig, ModelSpec
 from replicas.batcher import Batcher
 from replicas.engines import DraftEngine, TargetEngine
 from replicas.loading import load_causal_lm
-from replicas.protocol import Proposal, ProposeRequest, Verification, VerifyRequest
+from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,8 +47,12 @@ class _ModelReplica:
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def _submit_all(self, requests: list) -> list:
-        """The calls a router gathered; they join the batch of every other router's calls."""
-        return await asyncio.gather(*(self.batcher.submit(request) for request in requests))
+        """The calls a router gathered; they join the batch of every other router's calls.
+        A call that fails is answered with a RowError in its place, not by failing the others."""
+        results = await asyncio.gather(*(self.batcher.submit(request) for request in requests),
+                                       return_exceptions=True)
+        return [RowError.of(request.seq_id, result) if isinstance(result, Exception) else result
+                for request, result in zip(requests, results)]
 
     async def release(self, seq_id: str) -> None:
         """Drop a finished sequence's cache; batches stop waiting for it."""
@@ -62,6 +66,7 @@ class _ModelReplica:
         return {"pid": os.getpid(), "batches": batcher.batches,
                 "mean_batch": round(batcher.calls / batcher.batches, 3) if batcher.batches else 0.0,
                 "missed_windows": batcher.missed_windows, "waited_ms": round(batcher.waited_s * 1000, 1),
+                "isolation_reruns": batcher.isolation_reruns,
                 "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
                 "holds": seq_id in caches if seq_id is not None else None}
@@ -71,7 +76,7 @@ class _ModelReplica:
 class DraftPool(_ModelReplica):
     role, engine_class, batched_method = "draft", DraftEngine, "propose"
 
-    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+    async def propose(self, requests: list[ProposeRequest]) -> list[Proposal | RowError]:
         return await self._submit_all(requests)
 
 
@@ -79,5 +84,5 @@ class DraftPool(_ModelReplica):
 class TargetPool(_ModelReplica):
     role, engine_class, batched_method = "target", TargetEngine, "verify"
 
-    async def verify(self, requests: list[VerifyRequest]) -> list[Verification]:
+    async def verify(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
         return await self._submit_all(requests)

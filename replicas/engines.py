@@ -1,6 +1,10 @@
 """The draft engine proposes tokens; the target engine verifies them. Both take the calls of
 many sequences at once and run them as batched forward passes on a ModelRunner, so a
-sequence they hold costs only its new positions."""
+sequence they hold costs only its new positions.
+
+A failure in one sequence's row (its sampling, its numerics) becomes a RowError in that
+sequence's place of the results; the batch's other rows are answered as usual.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ import torch
 from transformers import PreTrainedModel
 
 from replicas.model_runner import ExtendCall, ModelRunner
-from replicas.protocol import Proposal, ProposeRequest, Verification, VerifyRequest
-from replicas.sampling import make_generator, sample, warped_probs
+from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
+from replicas.sampling import NonFiniteDistribution, make_generator, sample, warped_probs
 from replicas.speculative import greedy_round, sampled_round
 
 
@@ -19,28 +23,36 @@ class DraftEngine:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int):
         self.runner = ModelRunner(model, max_cached_tokens)
 
-    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal | RowError]:
         """k autoregressive draft steps per request; step s of every request that still wants
         tokens runs in one batched forward pass. Returns ids and, when sampling, q [k, V]."""
         started = time.perf_counter()
         tokens = [list(r.tokens) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
         rows: list[list[torch.Tensor]] = [[] for _ in requests]
+        failures: dict[int, RowError] = {}
         fed, batch_rows = [0] * len(requests), []
         generators = [make_generator(r.seed) for r in requests]
         for step in range(max(r.k for r in requests)):
-            active = [i for i, r in enumerate(requests) if r.k > step]
+            active = [i for i, r in enumerate(requests) if r.k > step and i not in failures]
+            if not active:
+                break
             extensions = self.runner.extend_batch(
                 [ExtendCall(requests[i].seq_id, tokens[i], 1) for i in active])
             for i, extension in zip(active, extensions):
                 fed[i] += extension.positions_fed
-                token = self._choose(extension.logits, requests[i], generators[i], rows[i])
+                try:
+                    token = self._choose(extension.logits, requests[i], generators[i], rows[i])
+                except Exception as exc:  # noqa: BLE001 - this row alone fails
+                    failures[i] = RowError.of(requests[i].seq_id, exc)
+                    continue
                 drafts[i].append(token)
                 tokens[i].append(token)
             batch_rows.append(len(active))
         model_ms = (time.perf_counter() - started) * 1000
         mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
-        return [Proposal(drafts[i], torch.stack(rows[i]) if rows[i] else None, fed[i], mean_rows, model_ms)
+        return [failures.get(i) or Proposal(drafts[i], torch.stack(rows[i]) if rows[i] else None,
+                                            fed[i], mean_rows, model_ms)
                 for i in range(len(requests))]
 
     @staticmethod
@@ -59,17 +71,26 @@ class TargetEngine:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int):
         self.runner = ModelRunner(model, max_cached_tokens)
 
-    def verify(self, requests: list[VerifyRequest]) -> list[Verification]:
+    def verify(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
         """One batched forward pass over every sequence's last token and its drafts, then the
         speculative sampling rule per sequence."""
         started = time.perf_counter()
         extensions = self.runner.extend_batch(
             [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), len(r.draft_tokens) + 1)
              for r in requests])  # logits [k+1, V] each
-        outcomes = [self._decide(r, e.logits) for r, e in zip(requests, extensions)]
+        outcomes = [self._decide_row(r, e.logits) for r, e in zip(requests, extensions)]
         model_ms = (time.perf_counter() - started) * 1000
-        return [Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms)
+        return [o if isinstance(o, RowError) else Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms)
                 for o, e in zip(outcomes, extensions)]
+
+    def _decide_row(self, request: VerifyRequest, logits: torch.Tensor):
+        try:
+            if torch.isnan(logits).any():
+                raise NonFiniteDistribution("the target model's logits hold NaN")
+            return self._decide(request, logits)
+        except Exception as exc:  # noqa: BLE001 - this row alone fails
+            self.runner.release(request.seq_id)   # its cache may hold the same bad numbers
+            return RowError.of(request.seq_id, exc)
 
     @staticmethod
     def _decide(request: VerifyRequest, logits: torch.Tensor):

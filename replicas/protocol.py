@@ -45,3 +45,20 @@ class Verification:
     positions_fed: int         # positions the target model computed for this sequence
     batch_rows: int            # sequences in the forward pass that verified it
     model_ms: float            # wall time of the replica's batched verify
+
+
+class RowError(Exception):
+    """One sequence's part of a batched call failed (bad numerics, an exception in its row).
+    It is returned in that sequence's place of the call's results, so every other sequence
+    of the batch and of the gathered call gets its answer as if the failure never happened."""
+
+    def __init__(self, seq_id: str, kind: str, message: str):
+        super().__init__(seq_id, kind, message)   # all in args: it crosses processes pickled
+        self.seq_id, self.kind, self.message = seq_id, kind, message
+
+    @classmethod
+    def of(cls, seq_id: str, exc: BaseException) -> "RowError":
+        return exc if isinstance(exc, RowError) else cls(seq_id, type(exc).__name__, str(exc))
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"

@@ -3,6 +3,12 @@
 The target distribution p and the draft distribution q are both *warped* distributions:
 logits / temperature, then top-k, then top-p (the order Hugging Face applies them).
 Speculative sampling is exact with respect to the warped target distribution.
+
+Numerical safety: a temperature below SAMPLING_EPS is greedy (as vLLM treats it; 1e-300
+divides float32 logits into inf and NaN), the nucleus always keeps the most likely token
+(a top_p that rounds to 0 in float32 would otherwise keep none), and a distribution that is
+not finite, or has no mass, never reaches `multinomial`: it raises NonFiniteDistribution,
+which fails that one sequence and no other.
 """
 
 from __future__ import annotations
@@ -12,15 +18,23 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this are greedy: logits / 1e-5 still fit float32 comfortably.
+SAMPLING_EPS = 1e-5
+
+
+class NonFiniteDistribution(ValueError):
+    """A distribution to sample from holds NaN or inf, or no mass at all."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy (argmax)
+    temperature: float = 1.0  # below SAMPLING_EPS (0 included) means greedy (argmax)
     top_p: float = 1.0        # nucleus mass kept, in (0, 1]
     top_k: int = 0            # tokens kept; 0 keeps all
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -42,14 +56,23 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    dropped = mass_before >= top_p
+    dropped[..., 0] = False   # the most likely token stays, however small top_p is
+    sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """probs [V] -> one token id."""
+    check_finite(probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def check_finite(probs: torch.Tensor) -> None:
+    """Raise NonFiniteDistribution unless probs is finite, non-negative and has mass."""
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()) or not float(probs.sum()) > 0:
+        raise NonFiniteDistribution("the distribution to sample from is not finite or has no mass")
 
 
 def make_generator(seed: int) -> torch.Generator:

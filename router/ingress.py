@@ -1,10 +1,22 @@
 """The HTTP ingress: OpenAI-compatible endpoints on a Ray Serve deployment.
 
+A generation request passes, in order: the API key (401), its content type (415), the body
+size (413, refused before the body is read when Content-Length says so), the body's schema
+(400), this replica's admission gate (429 with Retry-After when it is full), the limits of
+the cluster (400; tokenising and chat templating run off the event loop), then the
+speculation loop, under the request's deadline (504, or a final SSE error event). A failure
+of one request's own work fails that request alone (router/speculation.py).
+
 No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
 (`request: Request`) at route creation, and Serve pickles this class by value.
 """
 
+import asyncio
 import logging
+import os
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -16,15 +28,23 @@ from transformers import AutoConfig, GenerationConfig
 
 from cluster.config import ClusterConfig
 from replicas.loading import load_tokenizer
+from replicas.protocol import RowError
 from router.admission import Admission
-from router.errors import OpenAIError, server_error
+from router.auth import ApiKeys
+from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_too_large, server_error,
+                           unavailable, unsupported_media_type)
+from router.gate import GateFull, RequestGate, Slot
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import CHAT, COMPLETION, ResponseFormat, envelope, sse, usage
 from router.routing import lane_count
-from router.speculation import Generation, SpeculationLoop, SpeculationStats
+from router.speculation import (Delta, Generation, PoolTimeouts, SpeculationLoop, SpeculationStats,
+                                TargetTimeout, TargetUnavailable)
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve")
+# Tokenising and templating, off the event loop: prompts are bounded (router/admission.py),
+# so two threads keep one long prompt from holding up the others' admission.
+_TOKENIZER_THREADS = 2
 
 
 @app.exception_handler(OpenAIError)
@@ -64,6 +84,54 @@ def _vocab_size(config: ClusterConfig) -> int:
     return AutoConfig.from_pretrained(config.models.target.path, local_files_only=True).vocab_size
 
 
+def _require_json(content_type: str | None) -> None:
+    """Only application/json starts work: a cross-site form post (which a browser sends
+    without asking first) cannot have that type."""
+    if (content_type or "").split(";")[0].strip().lower() != "application/json":
+        raise unsupported_media_type(content_type)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to be over `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise payload_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise payload_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _failure(exc: BaseException) -> OpenAIError:
+    """What a client is told when its generation failed after admission."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, RowError):
+        return server_error(f"generation failed for this request ({exc})")
+    if isinstance(exc, TargetTimeout):
+        return OpenAIError(504, str(exc), type="server_error", code="timeout")
+    if isinstance(exc, TargetUnavailable):
+        return unavailable(str(exc))
+    return server_error(f"generation failed: {type(exc).__name__}")
+
+
+async def _until(deadline: float, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The deltas, each awaited until the deadline (time.monotonic()); past it, TimeoutError.
+    The generator is closed either way, which releases the sequence's caches."""
+    try:
+        while True:
+            try:
+                delta = await asyncio.wait_for(deltas.__anext__(), max(deadline - time.monotonic(), 0))
+            except StopAsyncIteration:
+                return
+            yield delta
+    finally:
+        await deltas.aclose()
+
+
 @serve.deployment(name="router")
 @serve.ingress(app)
 class Router:
@@ -71,16 +139,23 @@ class Router:
         self.config = config
         tokenizer = load_tokenizer(config.models.target.path)
         vocab_size = _vocab_size(config)
+        self.keys = ApiKeys.load(config.server.api_keys_file)
         self.admission = Admission(config, tokenizer, vocab_size)
+        pools = config.pools
+        self.gate = RequestGate(pools.router.max_ongoing_requests, pools.router.max_queued_requests)
         self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer),
-                                    lane_count(config.pools), config.pools.router.gather_wait_ms / 1000)
+                                    PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
+                                    lane_count(pools), pools.router.gather_wait_ms / 1000)
+        self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
 
     @app.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
+        self.keys.check(request.headers.get("authorization"))
         entry = {"id": self.config.server.model_name, "object": "model", "created": 0,
                  "owned_by": "specserve", "max_model_len": self.config.limits.context_length}
         return {"object": "list", "data": [entry]}
@@ -93,30 +168,62 @@ class Router:
     async def chat_completions(self, request: Request):
         return await self._generate(request, ChatBody, self.admission.chat, CHAT)
 
+    async def describe(self) -> dict:
+        """This replica's process and admission state (for tests and operators)."""
+        return {"pid": os.getpid(), "running": self.gate.running, "queued": self.gate.queued,
+                "refused": self.gate.refused, "drafts_available": self.loop.drafts.available,
+                "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences()}
+
     async def _generate(self, request: Request, body_type: type[_GenerationBody],
                         admit: Callable[..., Generation], fmt: ResponseFormat):
-        body = parse_body(body_type, await request.body())
-        gen = admit(body)
-        if body.stream:
-            return StreamingResponse(self._stream(gen, body, fmt), media_type="text/event-stream")
-        return await self._complete(gen, body, fmt)
+        limits = self.config.limits
+        deadline = time.monotonic() + limits.request_timeout_s
+        self.keys.check(request.headers.get("authorization"))
+        _require_json(request.headers.get("content-type"))
+        body = parse_body(body_type, await _read_body(request, limits.max_body_bytes))
+        slot = await self._enter(deadline)
+        try:
+            gen = await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, admit, body)
+            if body.stream:
+                stream = self._stream(gen, body, fmt, slot, deadline)
+                weakref.finalize(stream, slot.release)   # a stream never started frees its slot too
+                return StreamingResponse(stream, media_type="text/event-stream")
+            return await self._complete(gen, body, fmt, deadline)
+        finally:
+            if not body.stream:
+                slot.release()
 
-    async def _complete(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat) -> dict:
+    async def _enter(self, deadline: float) -> Slot:
+        try:
+            return await asyncio.wait_for(self.gate.enter(), max(deadline - time.monotonic(), 0))
+        except GateFull:
+            raise overloaded(self.config.pools.router.retry_after_s) from None
+        except asyncio.TimeoutError:
+            raise deadline_exceeded(self.config.limits.request_timeout_s) from None
+
+    async def _complete(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat,
+                        deadline: float) -> dict:
         response_id, stats, text, ids, finish = fmt.new_id(), SpeculationStats(), [], [], None
-        async for delta in self.loop.run(gen, stats, seq_id=response_id):
-            text.append(delta.text)
-            ids.extend(delta.token_ids)
-            finish = delta.finish_reason
+        try:
+            async for delta in _until(deadline, self.loop.run(gen, stats, seq_id=response_id)):
+                text.append(delta.text)
+                ids.extend(delta.token_ids)
+                finish = delta.finish_reason
+        except asyncio.TimeoutError:
+            raise deadline_exceeded(self.config.limits.request_timeout_s) from None
+        except Exception as exc:  # noqa: BLE001 - this request's own failure, told to its client
+            logger.warning("generation %s failed: %r", response_id, exc)
+            raise _failure(exc) from None
         choice = fmt.choice("".join(text), finish, ids if body.return_token_ids else None)
         return envelope(fmt.object, response_id, body.model, [choice],
                         usage=usage(len(gen.prompt_ids), len(ids)), speculation=stats.as_dict())
 
-    async def _stream(self, gen: Generation, body: _GenerationBody,
-                      fmt: ResponseFormat) -> AsyncIterator[str]:
+    async def _stream(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat,
+                      slot: Slot, deadline: float) -> AsyncIterator[str]:
         response_id, stats, produced, first = fmt.new_id(), SpeculationStats(), 0, True
         want_ids = body.return_token_ids
         try:
-            async for delta in self.loop.run(gen, stats, seq_id=response_id):
+            async for delta in _until(deadline, self.loop.run(gen, stats, seq_id=response_id)):
                 produced += len(delta.token_ids)
                 if not (delta.text or delta.finish_reason or first or want_ids):
                     continue  # nothing a client could see yet (e.g. half a character)
@@ -129,7 +236,11 @@ class Router:
                 yield sse(envelope(fmt.chunk_object, response_id, body.model, [],
                                    usage=usage(len(gen.prompt_ids), produced),
                                    speculation=stats.as_dict()))
-        except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
-            logger.exception("stream failed")
-            yield sse(server_error(f"generation failed: {type(exc).__name__}").body())
+        except asyncio.TimeoutError:  # the status line is sent: report in-band
+            yield sse(deadline_exceeded(self.config.limits.request_timeout_s).body())
+        except Exception as exc:  # noqa: BLE001 - this request's own failure, told in-band
+            logger.warning("stream %s failed: %r", response_id, exc)
+            yield sse(_failure(exc).body())
+        finally:
+            slot.release()
         yield sse("[DONE]")

@@ -3,6 +3,12 @@
 A round asks the draft pool for k tokens and the target pool to verify them; it yields
 between 1 and k + 1 tokens. With speculation off a round is one plain target step (k = 0),
 which is the target-only baseline every comparison uses: same code, same caches.
+
+Failures: the draft pool is optional (a round whose drafts fail or come late verifies with
+k = 0, router/fallback.py), the target pool is not. A verify call whose replica died is
+retried on another replica; one that is not answered within the pool's timeout fails its
+sequences with TargetTimeout; a RowError (this sequence's row failed on the replica) fails
+this sequence alone.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from typing import AsyncIterator
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
-from replicas.protocol import ProposeRequest, VerifyRequest
+from replicas.protocol import ProposeRequest, RowError, VerifyRequest
 from replicas.sampling import SamplingParams
+from router.fallback import DraftAvailability
 from router.gathering import CallGatherer
 from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
@@ -31,6 +38,20 @@ logger = logging.getLogger("ray.serve")
 # A call whose replica died is retried until Serve has noticed and routes elsewhere (seconds).
 _CALL_ATTEMPTS = 12
 _RETRY_BACKOFF_S = 0.1
+
+
+class TargetTimeout(Exception):
+    """A verify call was not answered within the target pool's call timeout."""
+
+
+class TargetUnavailable(Exception):
+    """Every attempt of a verify call found its replica dead."""
+
+
+@dataclass(frozen=True)
+class PoolTimeouts:
+    draft_s: float             # the draft budget: later drafts are not waited for
+    target_s: float
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,7 @@ class SpeculationStats:
     round_ms: float = 0.0           # summed wall time of rounds, at the router
     model_ms: float = 0.0           # summed draft + target engine time of those rounds
     retried_calls: int = 0          # calls repeated because their replica died
+    fallback_rounds: int = 0        # rounds that wanted drafts and went on without them
 
     def as_dict(self) -> dict:
         rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -68,7 +90,7 @@ class SpeculationStats:
                 "mean_draft_batch": round(self.draft_batch_rows / self.draft_rounds, 3) if self.draft_rounds else 0.0,
                 "round_ms": round(self.round_ms * per_round, 3),
                 "coordination_ms_per_round": round((self.round_ms - self.model_ms) * per_round, 3),
-                "retried_calls": self.retried_calls}
+                "retried_calls": self.retried_calls, "fallback_rounds": self.fallback_rounds}
 
 
 @dataclass
@@ -92,18 +114,24 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 
 
 class SpeculationLoop:
-    def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], lanes: int = 1,
-                 gather_wait_s: float = 0.02):
+    def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
+                 lanes: int = 1, gather_wait_s: float = 0.02):
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
         self.pools = {"draft": draft.options(_by_reference=False), "target": target.options(_by_reference=False)}
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.timeouts = timeouts
         self.lanes = lanes
         self.gatherer = CallGatherer(self._send, gather_wait_s,
                                      abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
+        self.drafts = DraftAvailability(self._probe_drafts, timeouts.draft_s)
         self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
+        self._running: set[str] = set()
+
+    def active_sequences(self) -> list[str]:
+        return sorted(self._running)
 
     async def run(self, gen: Generation, stats: SpeculationStats, seq_id: str | None = None) -> AsyncIterator[Delta]:
         seq_id = seq_id or uuid.uuid4().hex
@@ -111,6 +139,7 @@ class SpeculationLoop:
         tokens = list(gen.prompt_ids)
         progress = _Progress(IncrementalDetokenizer(self.tokenizer), StopStringFilter(gen.stop))
         self.gatherer.begin(lane, seq_id)
+        self._running.add(seq_id)
         try:
             while True:
                 new_tokens = await self._round(lane, seq_id, tokens, gen, stats)
@@ -120,6 +149,7 @@ class SpeculationLoop:
                 if delta.finish_reason:
                     return
         finally:
+            self._running.discard(seq_id)
             self.gatherer.finish(lane, seq_id)
             self._retries.pop(seq_id, None)
             self._release(lane, seq_id, "draft", "target")
@@ -129,17 +159,10 @@ class SpeculationLoop:
         started = time.perf_counter()
         remaining = gen.max_tokens - (len(tokens) - len(gen.prompt_ids))
         k = min(gen.k, remaining - 1)  # a round yields up to k + 1 tokens
-        drafts, probs = [], None
         if k == 0 and gen.k > 0:
             # The last token needs no draft: free the draft pool's cache now.
             self._release(lane, seq_id, "draft")
-        if k > 0:
-            proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
-                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
-            drafts, probs = proposal.tokens, proposal.probs
-            stats.draft_batch_rows += proposal.batch_rows
-            stats.draft_rounds += 1
-            stats.model_ms += proposal.model_ms
+        drafts, probs = await self._drafts(lane, seq_id, tokens, k, gen, stats)
         verdict = await self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")))
         stats.rounds += 1
@@ -151,20 +174,54 @@ class SpeculationLoop:
         stats.retried_calls = self._retries[seq_id]
         return verdict.tokens
 
+    async def _drafts(self, lane: str, seq_id: str, tokens: list[int], k: int, gen: Generation,
+                      stats: SpeculationStats) -> tuple[list[int], object]:
+        """k drafts and their probabilities q; none when k is 0 or the drafts are unavailable."""
+        if k == 0:
+            return [], None
+        if not self.drafts.available:
+            stats.fallback_rounds += 1
+            return [], None
+        try:
+            proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
+                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
+        except RowError as exc:   # this sequence's row alone failed on the draft replica
+            logger.warning("drafting failed for %s (%s): verifying without drafts", seq_id, exc)
+            stats.fallback_rounds += 1
+            return [], None
+        except Exception as exc:  # noqa: BLE001 - the pool failed or is late: go on without it
+            self.drafts.report_failure(type(exc).__name__)
+            stats.fallback_rounds += 1
+            return [], None
+        stats.draft_batch_rows += proposal.batch_rows
+        stats.draft_rounds += 1
+        stats.model_ms += proposal.model_ms
+        return proposal.tokens, proposal.probs
+
     async def _send(self, pool: str, lane: str, requests: list) -> list:
-        """One call to a pool with the requests of a lane (router/gathering.py). When the
-        replica died, retry with backoff until Serve routes the call to another replica
-        (the requests carry all their state, so any replica can answer them)."""
-        method = getattr(self._lane_handle(pool, lane), "propose" if pool == "draft" else "verify")
+        """One call to a pool with the requests of a lane (router/gathering.py)."""
+        if pool == "draft":   # one attempt within the budget: a late draft is no draft
+            return await _within(self._lane_handle(pool, lane).propose.remote(requests), self.timeouts.draft_s)
+        return await self._verify(lane, requests)
+
+    async def _verify(self, lane: str, requests: list) -> list:
+        """When the replica died, retry with backoff until Serve routes the call to another
+        replica (the requests carry all their state, so any replica can answer them)."""
+        method = self._lane_handle("target", lane).verify
         for attempt in range(_CALL_ATTEMPTS):
             try:
-                return await method.remote(requests)
-            except (RayActorError, ReplicaUnavailableError):
+                return await _within(method.remote(requests), self.timeouts.target_s)
+            except asyncio.TimeoutError:
+                raise TargetTimeout(f"the target pool did not answer within {self.timeouts.target_s:g} s") from None
+            except (RayActorError, ReplicaUnavailableError) as exc:
                 if attempt == _CALL_ATTEMPTS - 1:
-                    raise
+                    raise TargetUnavailable(f"no target replica could serve the call: {exc}") from None
                 self._retries.update(request.seq_id for request in requests)
-                logger.warning("replica died during a %s call; retrying (attempt %d)", pool, attempt + 2)
+                logger.warning("replica died during a verify call; retrying (attempt %d)", attempt + 2)
                 await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, 2.0))
+
+    async def _probe_drafts(self) -> None:
+        await self.pools["draft"].describe.remote()
 
     @functools.cache
     def _lane_handle(self, pool: str, lane: str):
@@ -197,3 +254,14 @@ class SpeculationLoop:
                 break
         delta.text = progress.stops.release(final=delta.finish_reason is not None)
         return delta
+
+
+async def _within(response, timeout_s: float):
+    """Await a DeploymentResponse for at most timeout_s; cancel the call when it is late."""
+    async def result():
+        return await response
+    try:
+        return await asyncio.wait_for(result(), timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise

@@ -3,6 +3,7 @@ cluster serving three specserve apps that differ only in their draft model."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The test models are tiny: one thread runs them about 3x faster than two contending ones.
 torch.set_num_threads(1)
 
-from cluster.config import ClusterConfig, parse_config  # noqa: E402
+from cluster.config import ClusterConfig, ModelSpec, parse_config  # noqa: E402
+from replicas.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from replicas.tiny_models import UNTRAINED_NOTE, perturbed_copy, save, tiny_llama, train_tokenizer  # noqa: E402
 
 # Draft regimes for the exactness tests and the acceptance they give with the tiny target.
@@ -82,7 +84,7 @@ def ray_serve():
 
 @pytest.fixture(scope="session")
 def apps(ray_serve, zoo) -> dict[str, str]:
-    """One specserve app per draft regime, each under its own route prefix."""
+    """One specserve app per draft regime, named spec-<regime>, each under /<regime>."""
     from ray import serve
 
     from cluster.app import build_app
@@ -93,3 +95,43 @@ def apps(ray_serve, zoo) -> dict[str, str]:
         serve.run(build_app(config), name=f"spec-{regime}", route_prefix=f"/{regime}")
         urls[regime] = f"{ray_serve}/{regime}"
     return urls
+
+
+PROMPTS = [
+    "import os\n",
+    "def main(argv):\n    parser = argparse.ArgumentParser()\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "x = 1\ny = 2\n",
+    "for i in range(10):\n    print(i)\n",
+    "try:\n    import json\nexcept ImportError:\n    json = None\n\n\n",
+    "if __name__ == '__main__':\n",
+    "# Copyright\n\"\"\"Utilities for parsing.\"\"\"\n\nimport re\n",
+]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(zoo):
+    """Hugging Face generate() on the target alone: the tokens every test must reproduce."""
+    model = load_causal_lm(ModelSpec(path=zoo.target))
+    tokenizer = load_tokenizer(zoo.target)
+
+    @functools.cache
+    def reference(prompt: str, max_tokens: int) -> list[int]:
+        """Up to max_tokens, ending with EOS when the model emits it (as the server does)."""
+        ids = tokenizer.encode(prompt)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+        eos = tokenizer.eos_token_id
+        return out[:out.index(eos) + 1] if eos in out else out
+    return reference
+
+
+def deploy(ray_serve: str, name: str, config: ClusterConfig) -> str:
+    """Serve `config` as app `name` under /name on the session's Ray; its base URL."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    return f"{ray_serve}/{name}"

@@ -47,20 +47,27 @@ def test_calls_queued_behind_a_busy_model_run_as_one_batch():
     assert sizes == [1, 4, 2]  # then up to max_batch_size at a time, in arrival order
 
 
-def test_an_error_reaches_every_caller_of_its_batch_and_the_batcher_goes_on():
+def test_a_failing_call_fails_alone_and_the_batcher_goes_on():
+    batches = []
+
     async def run_batch(calls):
+        batches.append(list(calls))
         if ("b", 13) in calls:
-            raise ValueError("bad batch")
+            raise ValueError("poison")
         return [value for _, value in calls]
 
     async def scenario():
         batcher = Batcher(run_batch, _stream_of, max_batch_size=8, wait_s=0.01)
         results = await asyncio.gather(batcher.submit(("a", 1)), batcher.submit(("b", 13)),
-                                       return_exceptions=True)
-        return results, await batcher.submit(("a", 2))
+                                       batcher.submit(("c", 3)), return_exceptions=True)
+        return batcher, results, await batcher.submit(("a", 2))
 
-    results, after = asyncio.run(scenario())
-    assert all(isinstance(r, ValueError) for r in results) and after == 2
+    batcher, results, after = asyncio.run(scenario())
+    assert results[0] == 1 and results[2] == 3 and after == 2
+    assert isinstance(results[1], ValueError) and str(results[1]) == "poison"
+    # the failed batch of three, then each call alone, then the next batch
+    assert batches == [[("a", 1), ("b", 13), ("c", 3)], [("a", 1)], [("b", 13)], [("c", 3)], [("a", 2)]]
+    assert batcher.isolation_reruns == 1
 
 
 def test_streams_that_start_out_of_step_end_up_in_one_batch():

@@ -5,57 +5,17 @@ cache."""
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-import torch
 from ray import serve
 
-from cluster.app import build_app
-from cluster.config import ModelSpec
-from replicas.loading import load_causal_lm, load_tokenizer
+from replicas.loading import load_tokenizer
 from router.routing import lane_count, lane_of
-from tests.conftest import cluster_config
+from tests.conftest import MAX_TOKENS, PROMPTS, cluster_config, deploy
 from tests.test_cache_release import wait_for_empty_caches
 from tests.http_client import complete, reassemble, stream_chunks
-
-PROMPTS = [
-    "import os\n",
-    "def main(argv):\n    parser = argparse.ArgumentParser()\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "x = 1\ny = 2\n",
-    "for i in range(10):\n    print(i)\n",
-    "try:\n    import json\nexcept ImportError:\n    json = None\n\n\n",
-    "if __name__ == '__main__':\n",
-    "# Copyright\n\"\"\"Utilities for parsing.\"\"\"\n\nimport re\n",
-]
-MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(zoo):
-    """Hugging Face generate() on the target alone: the tokens every test must reproduce."""
-    model = load_causal_lm(ModelSpec(path=zoo.target))
-    tokenizer = load_tokenizer(zoo.target)
-
-    @functools.cache
-    def reference(prompt: str, max_tokens: int) -> list[int]:
-        """Up to max_tokens, ending with EOS when the model emits it (as the server does)."""
-        ids = tokenizer.encode(prompt)
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
-        eos = tokenizer.eos_token_id
-        return out[:out.index(eos) + 1] if eos in out else out
-    return reference
-
-
-def deploy(ray_serve, name: str, config) -> str:
-    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-    return f"{ray_serve}/{name}"
-
 
 def run_concurrently(url: str, prompts: list[str], **fields) -> list[dict]:
     with ThreadPoolExecutor(len(prompts)) as pool:
