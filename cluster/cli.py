@@ -7,7 +7,6 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import time
 import urllib.request
 
@@ -91,40 +90,42 @@ def _start(config: ClusterConfig) -> None:
     ray.init(address=address or None, logging_level="WARNING", log_to_driver=False)
     _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
-    deploy_error: list[BaseException] = []
-
-    def deploy() -> None:
-        try:
-            serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            deploy_error.append(exc)
-
-    deployer = threading.Thread(target=deploy, daemon=True)
-    deployer.start()
-    _show_progress(deployer, APP_NAME)
-    if deploy_error:
-        raise SystemExit(f"deployment failed: {deploy_error[0]}")
+    # Not blocking: the app serves once the router and the target pool run; the draft pool is
+    # optional (requests fall back to the target alone), so it must not hold up the start.
+    serve._run(build_app(config), name=APP_NAME, route_prefix="/", _blocking=False)
+    _wait_until_serving(APP_NAME)
     url = f"http://{_reachable_host(config.server.host)}:{config.server.port}"
     _wait_for_health(url)
     print(f"specserve is up: {url}/v1  (model id: {config.server.model_name}); Ctrl-C stops it",
           flush=True)
 
 
-def _show_progress(deployer: threading.Thread, app_name: str) -> None:
-    """Print each deployment's state whenever it changes, until the deploy call returns."""
+_REQUIRED_POOLS = ("router", "target")
+
+
+def _wait_until_serving(app_name: str) -> None:
+    """Print each deployment's state whenever it changes, until the router and the target
+    pool are healthy; say so when the draft pool is not running by then."""
     from ray import serve
 
     last = None
-    while deployer.is_alive():
+    while True:
         app = serve.status().applications.get(app_name)
-        if app is not None:
-            line = ", ".join(
-                f"{name}: {d.status.value} {d.replica_states.get('RUNNING', 0)}/{sum(d.replica_states.values())}"
-                for name, d in sorted(app.deployments.items()))
-            if line and line != last:
-                print(f"  loading models ... {line}", flush=True)
-                last = line
-        deployer.join(timeout=1.0)
+        deployments = app.deployments if app is not None else {}
+        line = ", ".join(f"{name}: {d.status.value} {d.replica_states.get('RUNNING', 0)}/"
+                         f"{sum(d.replica_states.values())}" for name, d in sorted(deployments.items()))
+        if line and line != last:
+            print(f"  loading models ... {line}", flush=True)
+            last = line
+        if app is not None and app.status.value == "DEPLOY_FAILED":
+            raise SystemExit(f"deployment failed: {app.message}")
+        if all(name in deployments and deployments[name].status.value == "HEALTHY" for name in _REQUIRED_POOLS):
+            break
+        time.sleep(1.0)
+    draft = deployments.get("draft")
+    if draft is not None and draft.status.value != "HEALTHY":
+        print(f"  the draft pool is not running yet ({draft.message or draft.status.value}); requests are "
+              f"served by the target alone until it is", flush=True)
 
 
 def _reachable_host(host: str) -> str:

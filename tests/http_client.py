@@ -15,12 +15,12 @@ def complete(url: str, prompt: str, **fields) -> dict:
     return response.json()
 
 
-def stream_chunks(url: str, prompt: str, **fields) -> Iterator[dict]:
+def stream_chunks(url: str, prompt: str, timeout: float = 120, **fields) -> Iterator[dict]:
     """The parsed SSE chunks of a streamed completion; asserts it ends with [DONE]."""
     body = {"model": "specserve", "prompt": prompt, "temperature": 0, "return_token_ids": True,
             "stream": True, "stream_options": {"include_usage": True}, **fields}
     done = False
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if not line:

@@ -86,12 +86,12 @@ class Stopped:
     output: str
 
 
-def write_config(folder: Path, port: int) -> Path:
+def write_config(folder: Path, port: int, draft_resources: dict | None = None) -> Path:
     small = {"resources": {"num_cpus": 0.1}}
     data = {
         "models": {"target": {"path": "m/target", "placeholder": "target"},
                    "draft": {"path": "m/draft", "placeholder": "draft"}},
-        "pools": {"router": small, "draft": small, "target": small},
+        "pools": {"router": small, "draft": {"resources": draft_resources or small["resources"]}, "target": small},
         "speculation": {"k": 3, "max_k": 8},
         # The port in the file is overridden by --port on the command line.
         "server": {"host": "127.0.0.1", "port": 1, "model_name": "specserve-up-test"},
@@ -120,11 +120,11 @@ def terminate(process: subprocess.Popen) -> None:
         pass
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def start_up(tmp_path_factory, **config_fields) -> Server:
+    """`specserve up` on a fresh config, as a subprocess in a session of its own."""
     folder = tmp_path_factory.mktemp("specserve-up")
     port = free_port()
-    config = write_config(folder, port)
+    config = write_config(folder, port, **config_fields)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.setdefault("HF_HUB_OFFLINE", "1")
     process = subprocess.Popen(
@@ -135,14 +135,21 @@ def server(tmp_path_factory):
     )
     srv = Server(process=process, url=f"http://127.0.0.1:{port}", config_dir=folder)
     srv.start_reader()
+    if srv.read_until("specserve is up", STARTUP_TIMEOUT_S) is None:
+        terminate(process)
+        srv.drain()
+        pytest.fail(f"`specserve up` was not up within {STARTUP_TIMEOUT_S} s "
+                    f"(exit code {process.poll()}); its output so far:\n{srv.output()}")
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_up(tmp_path_factory)
     try:
-        if srv.read_until("specserve is up", STARTUP_TIMEOUT_S) is None:
-            srv.drain()
-            pytest.fail(f"`specserve up` was not up within {STARTUP_TIMEOUT_S} s "
-                        f"(exit code {process.poll()}); its output so far:\n{srv.output()}")
         yield srv
     finally:
-        terminate(process)
+        terminate(srv.process)
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +215,18 @@ def test_sigterm_shuts_down(stopped):
 
 def test_sigterm_exit_code_is_zero(stopped):
     assert stopped.returncode == 0, f"exit code {stopped.returncode}; output:\n{stopped.output}"
+
+
+def test_up_serves_the_target_alone_when_no_node_can_host_the_drafts(server, stopped, tmp_path_factory):
+    # after the module's server stopped: one local Ray at a time
+    srv = start_up(tmp_path_factory, draft_resources={"num_cpus": 0.1, "custom": {"no_such_node_kind": 1}})
+    try:
+        assert "the draft pool is not running yet" in srv.output(), srv.output()
+        body = {"model": "specserve-up-test", "prompt": "def main():\n    ", "temperature": 0,
+                "max_tokens": MAX_TOKENS}
+        response = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        spec = response.json()["speculation"]
+        assert spec["drafted_tokens"] == 0 and spec["fallback_rounds"] == spec["rounds"] - 1 > 0, spec
+    finally:
+        terminate(srv.process)

@@ -1,0 +1,75 @@
+"""The admission gate of a router replica: bounded running, bounded waiting in arrival order,
+refusal beyond, and no slot lost to a caller that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.gate import GateFull, RequestGate
+
+
+def test_admits_then_queues_then_refuses_in_arrival_order():
+    async def scenario():
+        gate = RequestGate(max_running=2, max_queued=2)
+        first, second = await gate.enter(), await gate.enter()
+        order = []
+
+        async def wait(name):
+            slot = await gate.enter()
+            order.append(name)
+            return slot
+
+        waiters = [asyncio.create_task(wait(n)) for n in ("third", "fourth")]
+        await asyncio.sleep(0)
+        assert (gate.running, gate.queued) == (2, 2)
+        with pytest.raises(GateFull):
+            await gate.enter()
+        assert gate.refused == 1
+        first.release()
+        first.release()                  # idempotent: frees one slot, not two
+        await asyncio.sleep(0)
+        assert order == ["third"] and (gate.running, gate.queued) == (2, 1)
+        second.release()
+        slots = await asyncio.gather(*waiters)
+        assert order == ["third", "fourth"]
+        for slot in slots:
+            slot.release()
+        assert (gate.running, gate.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_that_goes_away_leaves_the_line_and_loses_no_slot():
+    async def scenario():
+        gate = RequestGate(max_running=1, max_queued=2)
+        held = await gate.enter()
+        leaving = asyncio.create_task(gate.enter())
+        staying = asyncio.create_task(gate.enter())
+        await asyncio.sleep(0)
+        leaving.cancel()
+        await asyncio.sleep(0)
+        assert gate.queued == 1
+        held.release()
+        (await staying).release()
+        assert (gate.running, gate.queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_slot_handed_to_a_cancelled_waiter_passes_on():
+    async def scenario():
+        gate = RequestGate(max_running=1, max_queued=2)
+        held = await gate.enter()
+        unlucky = asyncio.create_task(gate.enter())
+        next_in_line = asyncio.create_task(gate.enter())
+        await asyncio.sleep(0)
+        held.release()          # the slot goes to `unlucky` ...
+        unlucky.cancel()        # ... which is cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await unlucky
+        (await asyncio.wait_for(next_in_line, 1)).release()
+        assert (gate.running, gate.queued) == (0, 0)
+
+    asyncio.run(scenario())

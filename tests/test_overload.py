@@ -1,0 +1,96 @@
+"""Past a router's capacity the excess is refused at once with 429 and Retry-After, every
+admitted request completes exactly, and /health keeps answering within a second."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from ray import serve
+
+from tests.conftest import PROMPTS, cluster_config, deploy
+from tests.http_client import reassemble
+
+MAX_RUNNING, MAX_QUEUED, RETRY_AFTER_S = 2, 2, 3
+CLIENTS = 12
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def small_router(ray_serve, zoo):
+    router = {"max_ongoing_requests": MAX_RUNNING, "max_queued_requests": MAX_QUEUED,
+              "retry_after_s": RETRY_AFTER_S, "resources": {"num_cpus": 0.1}}
+    yield deploy(ray_serve, "small-router", cluster_config(zoo.target, zoo.drafts["perturbed"],
+                                                           pools={"router": router}))
+    serve.delete("small-router")
+
+
+class HealthWatch:
+    """Polls /health every 50 ms in the background; keeps each answer's status and latency."""
+
+    def __init__(self, url: str):
+        self.url, self.samples, self._stop = url, [], threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                status = client.get(f"{self.url}/health").status_code
+                self.samples.append((status, time.monotonic() - started))
+                time.sleep(0.05)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def one_client(url: str, index: int) -> tuple[int, dict, float, dict, float]:
+    """(status, body, seconds to the status line, headers, seconds to the end); even clients
+    stream, and their body is the reassembled stream."""
+    prompt = PROMPTS[index % len(PROMPTS)]
+    body = {"model": "specserve", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "speculation": {"k": 4}, "stream": index % 2 == 0}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        answered = time.monotonic() - started
+        if response.status_code != 200 or not body["stream"]:
+            response.read()
+            return (response.status_code, response.json(), answered, dict(response.headers),
+                    time.monotonic() - started)
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    return (200, reassemble(json.loads(e) for e in events[:-1]), answered, dict(response.headers),
+            time.monotonic() - started)
+
+
+def test_past_capacity_the_excess_gets_429_and_the_admitted_complete_exactly(small_router, greedy_reference):
+    barrier = threading.Barrier(CLIENTS)
+
+    def client(index):
+        barrier.wait()    # all at once
+        return one_client(small_router, index)
+
+    with HealthWatch(small_router) as health, ThreadPoolExecutor(CLIENTS) as pool:
+        outcomes = list(pool.map(client, range(CLIENTS)))
+    admitted = [(i, o) for i, o in enumerate(outcomes) if o[0] == 200]
+    refused = [o for o in outcomes if o[0] != 200]
+    assert len(admitted) >= MAX_RUNNING + MAX_QUEUED and refused, [o[0] for o in outcomes]
+    for status, body, _, headers, _ in refused:
+        assert status == 429, body
+        assert headers["retry-after"] == str(RETRY_AFTER_S)
+        assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "server_overloaded"
+    for index, (_, body, _, _, _) in admitted:
+        assert body["choices"][0]["token_ids"] == greedy_reference(PROMPTS[index % len(PROMPTS)], MAX_TOKENS)
+    # refused at once: before a single admitted request could have finished
+    assert max(o[2] for o in refused) < min(o[4] for _, o in admitted)
+    assert health.samples and all(status == 200 for status, _ in health.samples)
+    assert max(latency for _, latency in health.samples) < 1.0, health.samples
