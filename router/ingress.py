@@ -1,10 +1,11 @@
 """The HTTP ingress: OpenAI-compatible endpoints on a Ray Serve deployment.
 
-A generation request passes, in order: the API key (401), its content type (415), the body
-size (413, refused before the body is read when Content-Length says so), the body's schema
-(400), this replica's admission gate (429 with Retry-After when it is full), the limits of
-the cluster (400; tokenising and chat templating run off the event loop), then the
-speculation loop, under the request's deadline (504, or a final SSE error event). A failure
+A generation request passes, in order: the API key (401), its content type (415), its
+declared size (413), this replica's admission gate (429 with Retry-After when it is full;
+before the body is read, so that a refusal costs next to nothing), the body's size and schema
+(413, 400), the limits of the cluster (400; tokenising and chat templating run off the event
+loop), then the speculation loop, under the request's deadline (504, or a final SSE error
+event). A failure
 of one request's own work fails that request alone (router/speculation.py).
 
 No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
@@ -91,11 +92,14 @@ def _require_json(content_type: str | None) -> None:
         raise unsupported_media_type(content_type)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 as soon as it is known to be over `limit` bytes."""
+def _check_declared_size(request: Request, limit: int) -> None:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise payload_too_large(limit)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is over `limit` bytes (no Content-Length: chunked)."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -180,17 +184,20 @@ class Router:
         deadline = time.monotonic() + limits.request_timeout_s
         self.keys.check(request.headers.get("authorization"))
         _require_json(request.headers.get("content-type"))
-        body = parse_body(body_type, await _read_body(request, limits.max_body_bytes))
-        slot = await self._enter(deadline)
+        _check_declared_size(request, limits.max_body_bytes)
+        slot = await self._enter(deadline)    # before the body is read: a refusal costs nothing
+        streaming = False
         try:
+            body = parse_body(body_type, await _read_body(request, limits.max_body_bytes))
             gen = await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, admit, body)
             if body.stream:
                 stream = self._stream(gen, body, fmt, slot, deadline)
                 weakref.finalize(stream, slot.release)   # a stream never started frees its slot too
+                streaming = True
                 return StreamingResponse(stream, media_type="text/event-stream")
             return await self._complete(gen, body, fmt, deadline)
         finally:
-            if not body.stream:
+            if not streaming:
                 slot.release()
 
     async def _enter(self, deadline: float) -> Slot:
