@@ -123,11 +123,22 @@ def test_every_unknown_key_is_reported_at_once(models, tmp_path):
     ({"pools": {"draft": {"replicas": 0}}}, "pools.draft.replicas"),
     ({"limits": {"context_length": 1}}, "limits.context_length"),
     ({"pools": "everything"}, "pools"),
+    ({"pools": {"router": {"max_queued_requests": -1}}}, "pools.router.max_queued_requests"),
+    ({"pools": {"draft": {"call_timeout_ms": 0}}}, "pools.draft.call_timeout_ms"),
+    ({"limits": {"max_body_bytes": 100}}, "limits.max_body_bytes"),
+    ({"limits": {"request_timeout_s": "soon"}}, "limits.request_timeout_s"),
+    ({"server": {"api_keys_file": "no-such-keys-file"}}, "server.api_keys_file"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_wrong_type_or_value_is_named_by_its_path(models, tmp_path, section, key_path):
     problems = problems_of(base_data(models, **section), tmp_path)
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"{key_path}: "), problems
+
+
+def test_api_keys_file_resolves_against_the_config_files_folder(models, tmp_path):
+    (tmp_path / "keys").write_text("sk-1\n")
+    config = parse_config(base_data(models, server={"api_keys_file": "keys"}), base=tmp_path)
+    assert config.server.api_keys_file == (tmp_path / "keys").resolve()
 
 
 def test_model_dtype_and_placeholder_must_be_known_values(models, tmp_path):

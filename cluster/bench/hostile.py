@@ -76,7 +76,8 @@ def _answer(response: httpx.Response) -> str:
     except ValueError:
         error = None
     if error:
-        return f"{response.status_code} `{error.get('code') or error.get('type')}`"
+        param = f", param `{error['param']}`" if error.get("param") else ""
+        return f"{response.status_code} `{error.get('code') or error.get('type')}`{param}"
     return str(response.status_code)
 
 

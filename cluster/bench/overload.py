@@ -57,11 +57,11 @@ async def one_client(url: str, model: str, max_tokens: int, index: int, start: a
             "answered_by": by}
 
 
-async def watch_health(url: str, stop: asyncio.Event) -> list[float]:
+async def watch_health(url: str, path: str, stop: asyncio.Event) -> list[float]:
     latencies = []
     while not stop.is_set():
         started = time.perf_counter()
-        status, _, _ = await http(url, "GET", "/health")
+        status, _, _ = await http(url, "GET", path)
         latencies.append(time.perf_counter() - started if status == 200 else float("inf"))
         await asyncio.sleep(_HEALTH_EVERY_S)
     return latencies
@@ -74,9 +74,9 @@ def _quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run(url: str, model: str, clients: int, max_tokens: int) -> dict:
+async def run(url: str, model: str, clients: int, max_tokens: int, health_path: str = "/health") -> dict:
     start, stop = asyncio.Event(), asyncio.Event()
-    health = asyncio.create_task(watch_health(url, stop))
+    health = asyncio.create_task(watch_health(url, health_path, stop))
     tasks = [asyncio.create_task(one_client(url, model, max_tokens, i, start)) for i in range(clients)]
     await asyncio.sleep(0.5)      # every client is waiting at the line
     began = time.perf_counter()
@@ -97,7 +97,7 @@ async def run(url: str, model: str, clients: int, max_tokens: int) -> dict:
         "time_to_429_ms": {"p50": ms(_quantile(refused, 0.5)), "max": ms(max(refused, default=None))},
         "admitted_latency_ms": {"p50": ms(_quantile(admitted, 0.5)), "p99": ms(_quantile(admitted, 0.99)),
                                 "max": ms(max(admitted, default=None))},
-        "health_ms": {"samples": len(health_latencies), "p50": ms(_quantile(health_latencies, 0.5)),
+        "health_ms": {"path": health_path, "samples": len(health_latencies), "p50": ms(_quantile(health_latencies, 0.5)),
                       "max": ms(max(health_latencies, default=None))},
     }
 
@@ -108,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="specserve")
     parser.add_argument("--clients", type=int, default=400)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--health-path", default="/health",
+                        help="what to watch: /health (answered by a router) or /-/healthz (by Serve's proxy)")
     args = parser.parse_args(argv)
-    print(json.dumps(asyncio.run(run(args.url, args.model, args.clients, args.max_tokens)), indent=2))
+    print(json.dumps(asyncio.run(run(args.url, args.model, args.clients, args.max_tokens, args.health_path)),
+                     indent=2))
     return 0
 
 
