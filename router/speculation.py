@@ -215,7 +215,7 @@ class SpeculationLoop:
                 raise TargetTimeout(f"the target pool did not answer within {self.timeouts.target_s:g} s") from None
             except (RayActorError, ReplicaUnavailableError) as exc:
                 if attempt == _CALL_ATTEMPTS - 1:
-                    raise TargetUnavailable(f"no target replica could serve the call: {exc}") from None
+                    raise TargetUnavailable(f"no target replica could serve the call ({type(exc).__name__})") from None
                 self._retries.update(request.seq_id for request in requests)
                 logger.warning("replica died during a verify call; retrying (attempt %d)", attempt + 2)
                 await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, 2.0))

@@ -41,13 +41,18 @@ def test_admits_then_queues_then_refuses_in_arrival_order():
     asyncio.run(scenario())
 
 
+async def one_running_two_waiting():
+    """A gate of one slot, held, with two callers waiting in line: (gate, held, first, second)."""
+    gate = RequestGate(max_running=1, max_queued=2)
+    held = await gate.enter()
+    first, second = asyncio.create_task(gate.enter()), asyncio.create_task(gate.enter())
+    await asyncio.sleep(0)
+    return gate, held, first, second
+
+
 def test_a_waiter_that_goes_away_leaves_the_line_and_loses_no_slot():
     async def scenario():
-        gate = RequestGate(max_running=1, max_queued=2)
-        held = await gate.enter()
-        leaving = asyncio.create_task(gate.enter())
-        staying = asyncio.create_task(gate.enter())
-        await asyncio.sleep(0)
+        gate, held, leaving, staying = await one_running_two_waiting()
         leaving.cancel()
         await asyncio.sleep(0)
         assert gate.queued == 1
@@ -60,11 +65,7 @@ def test_a_waiter_that_goes_away_leaves_the_line_and_loses_no_slot():
 
 def test_a_slot_handed_to_a_cancelled_waiter_passes_on():
     async def scenario():
-        gate = RequestGate(max_running=1, max_queued=2)
-        held = await gate.enter()
-        unlucky = asyncio.create_task(gate.enter())
-        next_in_line = asyncio.create_task(gate.enter())
-        await asyncio.sleep(0)
+        gate, held, unlucky, next_in_line = await one_running_two_waiting()
         held.release()          # the slot goes to `unlucky` ...
         unlucky.cancel()        # ... which is cancelled before it resumes
         with pytest.raises(asyncio.CancelledError):
