@@ -9,6 +9,7 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 from ray import serve
 
 from cluster.app import build_app
@@ -95,3 +96,30 @@ def wait_until_healthy(app: str, deployments: tuple[str, ...], timeout_s: float)
             return
         time.sleep(0.5)
     raise AssertionError(f"{deployments} of {app} not healthy within {timeout_s} s: {serve.status()}")
+
+
+def test_drafts_later_than_their_budget_are_not_waited_for(ray_serve, zoo, greedy_reference):
+    # a budget no propose call can meet (nor the probe): every round goes on without drafts
+    url = deploy(ray_serve, "late-drafts", fallback_config(zoo, call_timeout_ms=0.01))
+    try:
+        for prompt in PROMPTS[:2]:
+            result = complete(url, prompt, max_tokens=16, speculation={"k": 4})
+            assert result["choices"][0]["token_ids"] == greedy_reference(prompt, 16)
+            spec = result["speculation"]
+            assert spec["drafted_tokens"] == 0 and spec["fallback_rounds"] == spec["rounds"] - 1 > 0, spec
+    finally:
+        serve.delete("late-drafts")
+
+
+def test_a_target_pool_that_does_not_answer_in_time_gives_504(ray_serve, zoo):
+    config = cluster_config(zoo.target, zoo.drafts["copy"],
+                            pools={"target": {"resources": {"num_cpus": 0.1}, "call_timeout_s": 0.001}})
+    url = deploy(ray_serve, "late-target", config)
+    try:
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "specserve", "prompt": "import os\n", "max_tokens": 8, "temperature": 0})
+        assert response.status_code == 504, response.text
+        error = response.json()["error"]
+        assert error["code"] == "timeout" and "target pool" in error["message"]
+    finally:
+        serve.delete("late-target")
