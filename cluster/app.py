@@ -7,7 +7,7 @@ from typing import Callable
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, DraftPoolConfig, TargetPoolConfig
 from replicas.deployments import DraftPool, TargetPool
 from router.ingress import Router
 from router.routing import CACHE_AFFINITY
@@ -21,18 +21,8 @@ CONTROL_HEADROOM = 1024
 
 def build_app(config: ClusterConfig) -> Application:
     pools = config.pools
-    draft = DraftPool.options(
-        num_replicas=pools.draft.replicas,
-        max_ongoing_requests=pools.draft.max_ongoing_requests,
-        request_router_config=CACHE_AFFINITY,
-        ray_actor_options=pools.draft.resources.ray_actor_options(),
-    ).bind(config.models.draft, pools.draft.kv_cache, pools.draft.batching)
-    target = TargetPool.options(
-        num_replicas=pools.target.replicas,
-        max_ongoing_requests=pools.target.max_ongoing_requests,
-        request_router_config=CACHE_AFFINITY,
-        ray_actor_options=pools.target.resources.ray_actor_options(),
-    ).bind(config.models.target, pools.target.kv_cache, pools.target.batching)
+    draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(config.models.draft, pools.draft)
+    target = TargetPool.options(**_model_pool_options(pools.target)).bind(config.models.target, pools.target)
     router = pools.router
     return Router.options(
         num_replicas=router.replicas,
@@ -46,15 +36,27 @@ def build_app(config: ClusterConfig) -> Application:
     ).bind(draft, target, config)
 
 
+def _model_pool_options(pool: DraftPoolConfig | TargetPoolConfig) -> dict:
+    """A model pool's Serve options. A replica of tp_size shards reserves them together: one
+    placement group bundle per shard, STRICT_PACK so that all are on one node; the replica
+    (rank 0) runs in bundle 0 and starts the other shards in bundles 1.. (replicas/shard_group.py)."""
+    options = {"num_replicas": pool.replicas, "max_ongoing_requests": pool.max_ongoing_requests,
+               "request_router_config": CACHE_AFFINITY, "ray_actor_options": pool.resources.ray_actor_options()}
+    if pool.tp_size > 1:
+        options["placement_group_bundles"] = [pool.resources.bundle()] * pool.tp_size
+        options["placement_group_strategy"] = "STRICT_PACK"
+    return options
+
+
 def ensure_placeholder_models(config: ClusterConfig, say: Callable[[str], None] = print) -> None:
     """Build the UNTRAINED placeholder models that cluster.yaml asks for and that are missing.
     The tokenizer is fitted deterministically, so folders built at different times agree."""
-    from replicas.tiny_models import build_placeholder_pair
-
     folders = {}
     for spec in (config.models.target, config.models.draft):
         if spec.placeholder is not None and not (spec.path / "config.json").is_file():
             say(f"building an UNTRAINED placeholder {spec.placeholder} model (random weights) at {spec.path}")
             folders[spec.placeholder] = spec.path
     if folders:
+        from training.tiny_models import build_placeholder_pair   # only then: it fits a tokenizer
+
         build_placeholder_pair(folders.get("target"), folders.get("draft"))

@@ -60,6 +60,11 @@ class Resources(Strict):
             options["resources"] = dict(self.custom)
         return options
 
+    def bundle(self) -> dict[str, float]:
+        """The same resources as one placement group bundle (Ray's names, no zeros)."""
+        amounts = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.custom}
+        return {name: amount for name, amount in amounts.items() if amount > 0}
+
 
 class KVCacheConfig(Strict):
     max_tokens: int = Field(
@@ -89,9 +94,21 @@ class TargetBatchingConfig(BatchingConfig):
 
 class _ModelPoolConfig(Strict):
     replicas: int = Field(1, ge=1)
+    engine: Literal["huggingface"] = Field(
+        "huggingface", description="What runs the model: transformers, in the replica's process "
+                                   "(tp_size 1) or as a tensor-parallel group of tp_size shards.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel shards per replica, all on one node "
+                                              "(a placement group of tp_size bundles, STRICT_PACK).")
     max_ongoing_requests: int = Field(64, ge=1, description="Calls a replica accepts at once (Ray Serve's "
                                                             "max_ongoing_requests); more are routed elsewhere.")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+
+    @model_validator(mode="after")
+    def shards_need_resources(self):
+        if self.tp_size > 1 and not self.resources.bundle():
+            raise ValueError("tp_size > 1 needs resources per shard (num_cpus, num_gpus or custom): "
+                             "each shard is a placement group bundle")
+        return self
 
     @model_validator(mode="after")
     def batch_fits_ongoing(self):
@@ -111,19 +128,12 @@ class DraftPoolConfig(_ModelPoolConfig):
 
 
 class TargetPoolConfig(_ModelPoolConfig):
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel shards per replica.")
     batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
     call_timeout_s: float = Field(
-        60.0, gt=0, description="A verify call unanswered after this fails its requests (504): there "
-                                "is no output without the target.")
-
-    @field_validator("tp_size")
-    @classmethod
-    def only_single_shard_for_now(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("tensor parallelism is not implemented yet: tp_size must be 1")
-        return value
+        60.0, gt=0, description="A verify call unanswered after this, retries on other (or replaced) "
+                                "replicas included, fails its requests (504): there is no output "
+                                "without the target.")
 
 
 class RouterPoolConfig(Strict):
@@ -244,6 +254,8 @@ def _model_problems(config: ClusterConfig) -> list[str]:
         problems.append(f"models.draft.path: vocabulary size {vocab['draft']} differs from the "
                         f"target's {vocab['target']}; draft and target must share a tokenizer")
     for role, shape in shapes.items():
+        tp_size = getattr(config.pools, role).tp_size
+        problems += [f"pools.{role}.tp_size: {problem}" for problem in shard_problems(shape, tp_size)]
         positions = shape.get("max_position_embeddings")
         if positions is not None and config.limits.context_length > positions:
             problems.append(f"limits.context_length: {config.limits.context_length} exceeds the "
@@ -256,6 +268,18 @@ def _file_problems(config: ClusterConfig) -> list[str]:
     if keys_file is not None and not keys_file.is_file():
         return [f"server.api_keys_file: no such file {keys_file}"]
     return []
+
+
+def shard_problems(shape: dict[str, Any], tp_size: int) -> list[str]:
+    """What keeps a model of this shape (its config.json) from splitting into tp_size shards:
+    whole attention heads, key/value heads and MLP features per shard."""
+    if tp_size == 1:
+        return []
+    heads = shape.get("num_attention_heads")
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": shape.get("num_key_value_heads") or heads,
+             "intermediate_size": shape.get("intermediate_size")}
+    return [f"{name} ({size}) is not divisible by tp_size {tp_size}"
+            for name, size in sizes.items() if isinstance(size, int) and size % tp_size]
 
 
 def _model_shape(config_file: Path) -> dict[str, Any]:

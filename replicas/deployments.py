@@ -1,14 +1,17 @@
-"""The draft and target pools as Ray Serve deployments.
+"""The draft and target pools as Ray Serve deployments, each holding an engine built from
+its pool's config (replicas/engines): a Proposer for the draft pool, a Verifier for the
+target pool. The deployment knows nothing of models or caches; the engine knows nothing of
+Serve.
 
 The propose (or verify) calls of concurrent sequences are batched continuously
-(replicas/batcher.py): whatever queued while the model was busy runs as the next batched
-engine call. Model work runs on one worker thread per replica, so caches are never touched
+(replicas/batcher.py): whatever queued while the engine was busy runs as the next batched
+engine call. Engine work runs on one worker thread per replica, so caches are never touched
 by two threads at once and the replica's event loop stays free for health checks and for
 queueing the next batch while a forward pass runs.
 
 Each call carries the requests a router gathered (router/gathering.py). Calls reach these
 replicas with cache affinity (router/routing.py), set where the application is built
-(cluster/app.py).
+(cluster/app.py), which also gives a tensor-parallel replica its placement group.
 """
 
 from __future__ import annotations
@@ -18,33 +21,42 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
 from ray import serve
 
-from cluster.config import BatchingConfig, KVCacheConfig, ModelSpec
+from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.batcher import Batcher
-from replicas.engines import DraftEngine, TargetEngine
-from replicas.loading import load_causal_lm
+from replicas.engines import build_engine
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
+from replicas.shard_group import ShardGroupBroken
 
 logger = logging.getLogger("ray.serve")
+_BROKEN_EXIT_CODE = 70
 
 
 class _ModelReplica:
     role: str
-    engine_class: type           # DraftEngine or TargetEngine
     batched_method: str          # the engine method that takes a list of calls
 
-    def __init__(self, spec: ModelSpec, kv_cache: KVCacheConfig, batching: BatchingConfig):
-        logger.info("loading %s model from %s (%s, %s)", self.role, spec.path, spec.dtype, spec.device)
-        self.engine = self.engine_class(load_causal_lm(spec), kv_cache.max_tokens)
+    def __init__(self, spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig):
+        logger.info("loading %s model from %s (%s, %s, tp_size %d)", self.role, spec.path, spec.dtype,
+                    spec.device, pool.tp_size)
+        self.engine = build_engine(self.role, spec, pool)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
         run_batch = getattr(self.engine, self.batched_method)
+        batching = pool.batching
         self.batcher = Batcher(lambda calls: self._on_worker(run_batch, calls), lambda call: call.seq_id,
                                batching.max_batch_size, batching.wait_ms / 1000, batching.wait_for_active)
         logger.info("%s model ready", self.role)
 
     async def _on_worker(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        except ShardGroupBroken:
+            # The replica is beyond repair: end it, so that Serve replaces it whole and the
+            # router retries the calls that were in flight on the replacement.
+            logger.exception("the %s replica's shard group broke; exiting so that it is replaced", self.role)
+            os._exit(_BROKEN_EXIT_CODE)
 
     async def _submit_all(self, requests: list) -> list:
         """The calls a router gathered; they join the batch of every other router's calls.
@@ -60,21 +72,21 @@ class _ModelReplica:
         await self._on_worker(self.engine.release, seq_id)
 
     async def describe(self, seq_id: str | None = None) -> dict:
-        """This replica's process, batching and cache state (and whether it holds seq_id).
-        Called with a sequence's id as session id, it reports on the replica serving it."""
-        caches, batcher = self.engine.runner.caches, self.batcher
-        return {"pid": os.getpid(), "batches": batcher.batches,
+        """This replica's process, node, batching and engine state (and whether it holds
+        seq_id). Called with a sequence's lane as session id, it reports on the replica
+        serving it."""
+        batcher = self.batcher
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "batches": batcher.batches,
                 "mean_batch": round(batcher.calls / batcher.batches, 3) if batcher.batches else 0.0,
                 "missed_windows": batcher.missed_windows, "waited_ms": round(batcher.waited_s * 1000, 1),
-                "isolation_reruns": batcher.isolation_reruns,
-                "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
-                "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
-                "holds": seq_id in caches if seq_id is not None else None}
+                "isolation_reruns": batcher.isolation_reruns, **self.engine.describe(),
+                "holds": self.engine.holds(seq_id) if seq_id is not None else None}
 
 
 @serve.deployment(name="draft")
 class DraftPool(_ModelReplica):
-    role, engine_class, batched_method = "draft", DraftEngine, "propose"
+    role, batched_method = "draft", "propose"
 
     async def propose(self, requests: list[ProposeRequest]) -> list[Proposal | RowError]:
         return await self._submit_all(requests)
@@ -82,7 +94,7 @@ class DraftPool(_ModelReplica):
 
 @serve.deployment(name="target")
 class TargetPool(_ModelReplica):
-    role, engine_class, batched_method = "target", TargetEngine, "verify"
+    role, batched_method = "target", "verify"
 
     async def verify(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
         return await self._submit_all(requests)

@@ -21,10 +21,11 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def load_causal_lm(spec: ModelSpec) -> PreTrainedModel:
+def load_causal_lm(spec: ModelSpec, device: torch.device | None = None) -> PreTrainedModel:
+    """The model on `device` (default: the one spec.device picks)."""
     model = AutoModelForCausalLM.from_pretrained(
         Path(spec.path), dtype=getattr(torch, spec.dtype), local_files_only=True)
-    return model.to(pick_device(spec.device)).eval()
+    return model.to(device or pick_device(spec.device)).eval()
 
 
 def load_tokenizer(path: Path):

@@ -17,6 +17,7 @@ import asyncio
 import contextvars
 import functools
 import hashlib
+import itertools
 import logging
 import time
 import uuid
@@ -35,9 +36,10 @@ from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
 
 logger = logging.getLogger("ray.serve")
-# A call whose replica died is retried until Serve has noticed and routes elsewhere (seconds).
-_CALL_ATTEMPTS = 12
+# A call whose replica died is retried until Serve has noticed and routes elsewhere, or has
+# replaced the replica (seconds; a tensor-parallel replica restarts all its shards).
 _RETRY_BACKOFF_S = 0.1
+_LONGEST_RETRY_PAUSE_S = 2.0
 
 
 class TargetTimeout(Exception):
@@ -206,19 +208,22 @@ class SpeculationLoop:
 
     async def _verify(self, lane: str, requests: list) -> list:
         """When the replica died, retry with backoff until Serve routes the call to another
-        replica (the requests carry all their state, so any replica can answer them)."""
+        replica, or has replaced the dead one (a tensor-parallel replica restarts whole); the
+        requests carry all their state, so any replica can answer them. Retries and all take
+        at most the pool's call timeout."""
         method = self._lane_handle("target", lane).verify
-        for attempt in range(_CALL_ATTEMPTS):
+        give_up_at = time.monotonic() + self.timeouts.target_s
+        for attempt in itertools.count():
             try:
-                return await _within(method.remote(requests), self.timeouts.target_s)
+                return await _within(method.remote(requests), max(give_up_at - time.monotonic(), 0.001))
             except asyncio.TimeoutError:
                 raise TargetTimeout(f"the target pool did not answer within {self.timeouts.target_s:g} s") from None
             except (RayActorError, ReplicaUnavailableError) as exc:
-                if attempt == _CALL_ATTEMPTS - 1:
+                if time.monotonic() >= give_up_at:
                     raise TargetUnavailable(f"no target replica could serve the call ({type(exc).__name__})") from None
                 self._retries.update(request.seq_id for request in requests)
                 logger.warning("replica died during a verify call; retrying (attempt %d)", attempt + 2)
-                await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, 2.0))
+                await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, _LONGEST_RETRY_PAUSE_S))
 
     async def _probe_drafts(self) -> None:
         await self.pools["draft"].describe.remote()

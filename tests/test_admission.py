@@ -9,7 +9,7 @@ import pytest
 from router.admission import Admission, plain_chat_prompt
 from router.errors import OpenAIError
 from router.openai_protocol import ChatBody, CompletionBody, parse_body
-from replicas.tiny_models import train_tokenizer
+from training.tiny_models import train_tokenizer
 from tests.conftest import cluster_config
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"

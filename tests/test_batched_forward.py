@@ -8,7 +8,7 @@ import random
 import torch
 
 from replicas.model_runner import ExtendCall, ModelRunner
-from replicas.tiny_models import tiny_llama
+from training.tiny_models import tiny_llama
 
 
 def test_batched_extend_matches_each_sequence_computed_alone():

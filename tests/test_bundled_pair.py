@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cluster.config import load_config
-from replicas.corpus import held_out_prompts
+from training.corpus import held_out_prompts
 from tests.conftest import cluster_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,12 +20,12 @@ SPECSERVE = Path(sys.executable).parent / "specserve"
 VOCAB = 512
 
 
-def make_model_dir(path: Path, vocab_size: int = VOCAB, max_position_embeddings: int = 2048) -> Path:
+def make_model_dir(path: Path, vocab_size: int = VOCAB, max_position_embeddings: int = 2048, **shape) -> Path:
     """A folder with just the config.json that config validation reads."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": vocab_size,
-        "max_position_embeddings": max_position_embeddings}))
+        "max_position_embeddings": max_position_embeddings, **shape}))
     return path
 
 
@@ -161,11 +161,23 @@ def test_top_level_must_be_a_mapping(tmp_path):
         assert problems == ["(top level): expected a mapping of keys"]
 
 
-def test_tp_size_above_one_is_a_clear_error(models, tmp_path):
-    problems = problems_of(base_data(models, pools={"target": {"tp_size": 2}}), tmp_path)
-    assert len(problems) == 1
-    assert problems[0].startswith("pools.target.tp_size: ")
-    assert "tensor parallelism" in problems[0] and "tp_size must be 1" in problems[0]
+def test_tp_size_must_split_heads_and_mlp_evenly(tmp_path):
+    shape = {"num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 10}
+    target = make_model_dir(tmp_path / "target", **shape)
+    draft = make_model_dir(tmp_path / "draft", **shape)
+    models = {"target": target, "draft": draft}
+    config = parse_config(base_data(models, pools={"target": {"tp_size": 2}, "draft": {"tp_size": 2}}), base=tmp_path)
+    assert (config.pools.target.tp_size, config.pools.draft.tp_size) == (2, 2)   # independent of each other
+    problems = problems_of(base_data(models, pools={"target": {"tp_size": 4}}), tmp_path)
+    assert problems == ["pools.target.tp_size: num_attention_heads (6) is not divisible by tp_size 4",
+                        "pools.target.tp_size: num_key_value_heads (2) is not divisible by tp_size 4",
+                        "pools.target.tp_size: intermediate_size (10) is not divisible by tp_size 4"]
+
+
+def test_shards_need_resources_of_their_own(models, tmp_path):
+    data = base_data(models, pools={"target": {"tp_size": 2, "resources": {"num_cpus": 0}}})
+    [problem] = problems_of(data, tmp_path)
+    assert problem.startswith("pools.target: ") and "bundle" in problem
 
 
 def test_only_the_target_waits_for_its_active_sequences_by_default(models, tmp_path):
@@ -371,7 +383,7 @@ def test_cli_check_repo_default_config():
 
 def test_cli_check_reports_every_problem_with_its_key_path(models, tmp_path):
     data = base_data(models, pools={"draft": {"replicsa": 2, "replicas": "two"},
-                                    "target": {"tp_size": 2}},
+                                    "target": {"tp_size": 0}},
                      speculation={"k": [1]})
     data["models"]["target"]["path"] = str(tmp_path / "nowhere")
     data["models"]["draft"]["dtpye"] = "float32"

@@ -16,7 +16,7 @@ import torch
 from ray import serve
 
 from replicas.loading import load_causal_lm, load_tokenizer
-from replicas.tiny_models import UNTRAINED_NOTE, save
+from training.tiny_models import UNTRAINED_NOTE, save
 from cluster.config import ModelSpec
 from tests.conftest import PROMPTS, cluster_config, deploy
 from tests.http_client import stream_chunks, stream_complete

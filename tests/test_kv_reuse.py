@@ -10,7 +10,7 @@ from replicas.kv_cache import KVCacheStore, SequenceKV
 from replicas.model_runner import common_prefix_length
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY, SamplingParams
-from replicas.tiny_models import perturbed_copy, tiny_llama
+from training.tiny_models import perturbed_copy, tiny_llama
 
 VOCAB = 64
 PROMPT = list(range(5, 25))  # 20 positions
@@ -29,7 +29,7 @@ def verify(engine: TargetEngine, tokens, drafts, seq_id="s", sampling=GREEDY, pr
 
 def test_verify_feeds_only_new_positions_when_the_cache_is_held(models):
     target, _ = models
-    engine = TargetEngine(target, max_cached_tokens=1000)
+    engine = TargetEngine.on_model(target, max_cached_tokens=1000)
     first = verify(engine, PROMPT, [7, 8, 9])
     assert first.positions_fed == len(PROMPT) + 3  # a new sequence: everything
     tokens = PROMPT + first.tokens
@@ -41,13 +41,13 @@ def test_verify_feeds_only_new_positions_when_the_cache_is_held(models):
 
 def test_a_replica_without_the_cache_gives_the_same_tokens(models):
     target, draft = models
-    holder, drafter = TargetEngine(target, max_cached_tokens=1000), DraftEngine(draft, max_cached_tokens=1000)
+    holder, drafter = TargetEngine.on_model(target, max_cached_tokens=1000), DraftEngine.on_model(draft, max_cached_tokens=1000)
     tokens = list(PROMPT)
     tokens += verify(holder, tokens, []).tokens  # the holder now caches the prompt
     for _ in range(6):
         [proposal] = drafter.propose([ProposeRequest("s", tokens, 4, GREEDY, seed=0)])
         held = verify(holder, tokens, proposal.tokens)
-        fresh = verify(TargetEngine(target, max_cached_tokens=1000), tokens, proposal.tokens)
+        fresh = verify(TargetEngine.on_model(target, max_cached_tokens=1000), tokens, proposal.tokens)
         assert fresh.positions_fed == len(tokens) + 4 > held.positions_fed
         assert (fresh.accepted, fresh.tokens) == (held.accepted, held.tokens)
         tokens += held.tokens
@@ -55,7 +55,7 @@ def test_a_replica_without_the_cache_gives_the_same_tokens(models):
 
 def test_released_or_evicted_caches_are_rebuilt(models):
     target, _ = models
-    engine = TargetEngine(target, max_cached_tokens=25)
+    engine = TargetEngine.on_model(target, max_cached_tokens=25)
     before = verify(engine, PROMPT, [1, 2], seq_id="a")  # 22 cached positions
     verify(engine, PROMPT[:10], [3], seq_id="b")  # 11 more: over budget, so "a" is evicted
     again = verify(engine, PROMPT, [1, 2], seq_id="a")
@@ -68,13 +68,13 @@ def test_released_or_evicted_caches_are_rebuilt(models):
 def test_sampled_verify_is_the_same_with_or_without_the_cache(models):
     target, draft = models
     params = SamplingParams(temperature=0.9)
-    drafter = DraftEngine(draft, max_cached_tokens=1000)
+    drafter = DraftEngine.on_model(draft, max_cached_tokens=1000)
     [proposal] = drafter.propose([ProposeRequest("s", PROMPT, 4, params, seed=5)])
     assert proposal.probs is not None and tuple(proposal.probs.shape) == (4, VOCAB)
-    holder = TargetEngine(target, max_cached_tokens=1000)
+    holder = TargetEngine.on_model(target, max_cached_tokens=1000)
     verify(holder, PROMPT[:-3], [], sampling=params)  # warm a shorter prefix of the cache
     held = verify(holder, PROMPT, proposal.tokens, sampling=params, probs=proposal.probs, seed=9)
-    fresh = verify(TargetEngine(target, max_cached_tokens=1000), PROMPT, proposal.tokens,
+    fresh = verify(TargetEngine.on_model(target, max_cached_tokens=1000), PROMPT, proposal.tokens,
                    sampling=params, probs=proposal.probs, seed=9)
     assert held.positions_fed < fresh.positions_fed
     assert held.tokens == fresh.tokens
@@ -82,7 +82,7 @@ def test_sampled_verify_is_the_same_with_or_without_the_cache(models):
 
 def test_draft_reuses_its_cache_across_rounds(models):
     _, draft = models
-    engine = DraftEngine(draft, max_cached_tokens=1000)
+    engine = DraftEngine.on_model(draft, max_cached_tokens=1000)
     [first] = engine.propose([ProposeRequest("s", PROMPT, 4, GREEDY, seed=0)])
     assert first.positions_fed == len(PROMPT) + 3  # prompt, then one position per later step
     accepted = first.tokens[:2] + [11]  # two drafts kept, then the target's own token

@@ -14,7 +14,7 @@ from replicas.engines import DraftEngine, TargetEngine
 from replicas.protocol import ProposeRequest, RowError, VerifyRequest
 from replicas.sampling import (GREEDY, SAMPLING_EPS, NonFiniteDistribution, SamplingParams, make_generator,
                                sample, warped_probs)
-from replicas.tiny_models import tiny_llama
+from training.tiny_models import tiny_llama
 
 VOCAB = 64
 POISON = 7      # the token whose embedding is NaN in the poisoned model
@@ -33,7 +33,7 @@ def poisoned():
 
 
 def fresh_verify(model, request: VerifyRequest):
-    [alone] = TargetEngine(model, max_cached_tokens=1000).verify([request])
+    [alone] = TargetEngine.on_model(model, max_cached_tokens=1000).verify([request])
     return alone
 
 
@@ -42,7 +42,7 @@ def test_a_row_with_nan_logits_fails_alone_and_its_batch_is_exact(poisoned):
                 VerifyRequest("poison", [5, 6, POISON, 8], [1, 2], None, GREEDY, 0),
                 VerifyRequest("b", CLEAN[1], [], None, SAMPLED, 5),
                 VerifyRequest("c", CLEAN[2], [3, 4], None, SAMPLED, 9)]
-    engine = TargetEngine(poisoned, max_cached_tokens=1000)
+    engine = TargetEngine.on_model(poisoned, max_cached_tokens=1000)
     results = engine.verify(requests)
     failed = results[1]
     assert isinstance(failed, RowError) and failed.seq_id == "poison"
@@ -58,11 +58,11 @@ def test_a_draft_row_that_cannot_sample_fails_alone(poisoned):
     requests = [ProposeRequest("a", CLEAN[0], 3, SAMPLED, 1),
                 ProposeRequest("poison", [POISON, 9], 3, SAMPLED, 2),
                 ProposeRequest("b", CLEAN[1], 2, GREEDY, 3)]
-    results = DraftEngine(poisoned, max_cached_tokens=1000).propose(requests)
+    results = DraftEngine.on_model(poisoned, max_cached_tokens=1000).propose(requests)
     assert isinstance(results[1], RowError) and results[1].kind == "NonFiniteDistribution"
     for request, result in zip(requests, results):
         if request.seq_id != "poison":
-            [alone] = DraftEngine(poisoned, max_cached_tokens=1000).propose([request])
+            [alone] = DraftEngine.on_model(poisoned, max_cached_tokens=1000).propose([request])
             assert result.tokens == alone.tokens and len(result.tokens) == request.k
             assert (result.probs is None) == (alone.probs is None)
             if result.probs is not None:
@@ -74,7 +74,7 @@ def test_a_malformed_row_fails_alone():
     narrow_q = torch.full((2, 4), 0.25)          # q over 4 tokens, not VOCAB
     requests = [VerifyRequest("bad", CLEAN[0], [11, 12], narrow_q, SAMPLED, 0),
                 VerifyRequest("good", CLEAN[1], [31, 32], None, GREEDY, 0)]
-    bad, good = TargetEngine(model, max_cached_tokens=1000).verify(requests)
+    bad, good = TargetEngine.on_model(model, max_cached_tokens=1000).verify(requests)
     assert isinstance(bad, RowError) and bad.kind == "IndexError" and bad.seq_id == "bad"
     alone = fresh_verify(model, requests[1])
     assert (good.tokens, good.accepted) == (alone.tokens, alone.accepted)

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 import replicas.speculative as speculative
+from cluster.config import ModelSpec
 from replicas.engines import DraftEngine, TargetEngine
+from replicas.shard_group import launch_local
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams, warped_probs
-from replicas.tiny_models import tiny_llama
+from training.tiny_models import tiny_llama
 from router.speculation import round_seed
 
 VOCAB = 8
@@ -52,11 +54,13 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
 
 
 def speculative_pairs(target, draft, params: SamplingParams, seed: int,
-                      samples: int = SAMPLES) -> torch.Tensor:
+                      samples: int = SAMPLES, verifier: TargetEngine | None = None) -> torch.Tensor:
     """Counts [V, V] of the first two tokens of `samples` speculative generations, run BATCH
     at a time through the batched engines (rows diverge in length after the first round, so
-    the padded batch layout is part of what is tested)."""
-    drafts, verifier = DraftEngine(draft, max_cached_tokens=1000), TargetEngine(target, max_cached_tokens=1000)
+    the padded batch layout is part of what is tested). `verifier` defaults to the target
+    in this process."""
+    drafts = DraftEngine.on_model(draft, max_cached_tokens=1000)
+    verifier = verifier or TargetEngine.on_model(target, max_cached_tokens=1000)
     counts = torch.zeros(VOCAB, VOCAB)
     for first in range(0, samples, BATCH):
         sequences = {i: list(PROMPT) for i in range(first, min(first + BATCH, samples))}
@@ -102,6 +106,25 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
     target, draft = pair
     params = SETTINGS[setting]
     counts = speculative_pairs(target, draft, params, seed=1)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+@pytest.fixture(scope="module")
+def sharded_verifier(pair, tmp_path_factory):
+    """The pair's target as a tensor-parallel group of 2 shards (this process is rank 0)."""
+    target, _ = pair
+    folder = tmp_path_factory.mktemp("tp-pair") / "target"
+    target.save_pretrained(folder)
+    runner = launch_local(ModelSpec(path=folder), max_cached_tokens=1000, world=2)
+    yield TargetEngine(runner)
+    runner.close()
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_sampling_on_the_tensor_parallel_engine_matches_target_distribution(pair, sharded_verifier, setting):
+    target, draft = pair
+    params = SETTINGS[setting]
+    counts = speculative_pairs(target, draft, params, seed=2, verifier=sharded_verifier)
     assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
 
 

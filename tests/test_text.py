@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from replicas.tiny_models import train_tokenizer
+from training.tiny_models import train_tokenizer
 from router.text import IncrementalDetokenizer, StopStringFilter
 
 REPLACEMENT = "\ufffd"

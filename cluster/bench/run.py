@@ -45,20 +45,20 @@ def add_parser(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.bench.report import plot, write_json
-    from cluster.cli import _load_or_report, _shutdown, _start
+    from cluster.launch import load_or_report, shutdown, start
 
-    config = _load_or_report(args.config)
+    config = load_or_report(args.config)
     if config is None:
         return 1
     url = args.url
     try:
         if url is None:
-            _start(config)
+            start(config)
             url = f"http://127.0.0.1:{config.server.port}"
         report = bench(args, config, url.rstrip("/"))
     finally:
         if args.url is None:
-            _shutdown()
+            shutdown()
     write_json(report, args.out)
     plot_path = args.plot or args.out.with_suffix(".png")
     report["plot"] = plot(report, plot_path) or str(plot_path)
@@ -72,7 +72,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
 
     from cluster.bench.vllm_compare import compare, vllm_python
     from cluster.bench.load import Workload, closed_loop
-    from replicas.corpus import held_out_prompts
+    from training.corpus import held_out_prompts
     from replicas.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.models.target.path)

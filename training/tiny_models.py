@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as transformers_logging
 
-from replicas.bpe import fit_bpe
+from training.bpe import fit_bpe
 
 UNTRAINED_NOTE = "UNTRAINED placeholder: random weights, output is noise. Built by specserve."
 # A fixed set of standard-library files, present wherever Python is, to fit a BPE vocabulary.

@@ -1,6 +1,8 @@
-"""The draft engine proposes tokens; the target engine verifies them. Both take the calls of
-many sequences at once and run them as batched forward passes on a ModelRunner, so a
-sequence they hold costs only its new positions.
+"""The Hugging Face engines: the draft engine proposes tokens, the target engine verifies
+them. Both take the calls of many sequences at once and run them as batched forward passes
+on a runner that keeps the sequences' KV caches, so a sequence they hold costs only its new
+positions. The runner is a ModelRunner (one process) or a ShardedRunner (a tensor-parallel
+group, replicas/shard_group.py): the same calls, the same logits.
 
 A failure in one sequence's row (its sampling, its numerics) becomes a RowError in that
 sequence's place of the results; the batch's other rows are answered as usual.
@@ -9,20 +11,51 @@ sequence's place of the results; the batch's other rows are answered as usual.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
-from replicas.model_runner import ExtendCall, ModelRunner
+from replicas.kv_cache import KVCacheStore
+from replicas.model_runner import ExtendCall, Extension, ModelRunner
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.sampling import NonFiniteDistribution, make_generator, sample, warped_probs
 from replicas.speculative import greedy_round, sampled_round
 
 
-class DraftEngine:
-    def __init__(self, model: PreTrainedModel, max_cached_tokens: int):
-        self.runner = ModelRunner(model, max_cached_tokens)
+class Runner(Protocol):
+    caches: KVCacheStore
 
+    def extend_batch(self, calls: list[ExtendCall]) -> list[Extension]: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+class _Engine:
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    @classmethod
+    def on_model(cls, model: PreTrainedModel, max_cached_tokens: int):
+        """The engine over one in-process model (tests, offline measurement)."""
+        return cls(ModelRunner(model, max_cached_tokens))
+
+    def release(self, seq_id: str) -> None:
+        self.runner.release(seq_id)
+
+    def describe(self) -> dict:
+        caches = self.runner.caches
+        shards = getattr(self.runner, "shards", None)
+        return {"engine": "huggingface", "tp_size": len(shards) if shards else 1,
+                "shards": [vars(s) for s in shards] if shards else None,
+                "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
+                "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions}
+
+    def holds(self, seq_id: str) -> bool:
+        return seq_id in self.runner.caches
+
+
+class DraftEngine(_Engine):
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal | RowError]:
         """k autoregressive draft steps per request; step s of every request that still wants
         tokens runs in one batched forward pass. Returns ids and, when sampling, q [k, V]."""
@@ -63,14 +96,8 @@ class DraftEngine:
         rows.append(q)
         return sample(q, generator)
 
-    def release(self, seq_id: str) -> None:
-        self.runner.release(seq_id)
 
-
-class TargetEngine:
-    def __init__(self, model: PreTrainedModel, max_cached_tokens: int):
-        self.runner = ModelRunner(model, max_cached_tokens)
-
+class TargetEngine(_Engine):
     def verify(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
         """One batched forward pass over every sequence's last token and its drafts, then the
         speculative sampling rule per sequence."""
@@ -98,6 +125,3 @@ class TargetEngine:
         if request.sampling.greedy:
             return greedy_round(logits, drafts)
         return sampled_round(logits, drafts, request.draft_probs, request.sampling, make_generator(request.seed))
-
-    def release(self, seq_id: str) -> None:
-        self.runner.release(seq_id)

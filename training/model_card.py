@@ -1,7 +1,7 @@
 """Write the model card (README.md) of the bundled pair from what training and measurement
 recorded, so that every figure in it comes from a run, with its command.
 
-    python -m replicas.model_card --models models --work .cache/train
+    python -m training.model_card --models models --work .cache/train
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
 from cluster.config import ModelSpec
-from replicas.acceptance import measure
-from replicas.corpus import HELD_OUT_MODULUS, corpus_files, held_out_prompts, split
+from training.acceptance import measure
+from training.corpus import HELD_OUT_MODULUS, corpus_files, held_out_prompts, split
 from replicas.loading import load_causal_lm, load_tokenizer
-from replicas.train_pair import (DISTILL, DRAFT, ONPOLICY, ONPOLICY_NEW, ONPOLICY_PROMPT, ONPOLICY_ROWS, SEQUENCE,
+from training.train_pair import (DISTILL, DRAFT, ONPOLICY, ONPOLICY_NEW, ONPOLICY_PROMPT, ONPOLICY_ROWS, SEQUENCE,
                                  TARGET)
 
-ACCEPTANCE_COMMAND = "python -m replicas.acceptance --target models/target --draft models/draft"
+ACCEPTANCE_COMMAND = "python -m training.acceptance --target models/target --draft models/draft"
 KS = [1, 2, 4, 6, 8]
 
 
@@ -79,7 +79,7 @@ def render(target: dict, draft: dict, acceptance: dict, samples: list[tuple[str,
     return f"""# specserve bundled pair: target and draft
 
 Two Llama-architecture causal LMs (`LlamaForCausalLM`) for Python source code, trained by
-specserve itself, offline, with `python -m replicas.train_pair --out models/`. They share one
+specserve itself, offline, with `python -m training.train_pair --out models/`. They share one
 byte-level BPE tokenizer (vocabulary {vocab_size:,}, `<|endoftext|>` as EOS) and are stored in bf16.
 
 Why so small a vocabulary: the pair is about a thousand times smaller than the pairs people
@@ -95,7 +95,7 @@ yields less text than with a larger vocabulary.
 The standard library's own `.py` files (`sysconfig.get_paths()["stdlib"]`, site-packages
 excluded) of CPython 3.11: {len(train_files)} training files, {len(held_out_files)} held out.
 A file is held out when the BLAKE2b-64 hash of its path relative to the stdlib folder is 0
-modulo {HELD_OUT_MODULUS} (`replicas/corpus.py`); held-out files are never trained on and the
+modulo {HELD_OUT_MODULUS} (`training/corpus.py`); held-out files are never trained on and the
 tokenizer is fitted on the training files only.
 
 ## Models

@@ -1,6 +1,6 @@
 """Measure greedy acceptance of a draft against a target on held-out code.
 
-    python -m replicas.acceptance --target models/target --draft models/draft
+    python -m training.acceptance --target models/target --draft models/draft
 
 For each k, every prompt is continued greedily with speculation (the real draft and target
 engines, in-process); acceptance is accepted drafts / drafted tokens over all rounds.
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from cluster.config import ModelSpec
-from replicas.corpus import held_out_prompts
+from training.corpus import held_out_prompts
 from replicas.engines import DraftEngine, TargetEngine
 from replicas.loading import load_causal_lm, load_tokenizer
 from replicas.protocol import ProposeRequest, VerifyRequest
@@ -57,8 +57,8 @@ def speculate(draft: DraftEngine, target: TargetEngine, prompt: list[int], k: in
 def measure(target_dir: Path, draft_dir: Path, ks: list[int], prompts: int, prompt_tokens: int,
             new_tokens: int) -> dict[int, Tally]:
     tokenizer = load_tokenizer(target_dir)
-    target = TargetEngine(load_causal_lm(ModelSpec(path=target_dir)), max_cached_tokens=4096)
-    draft = DraftEngine(load_causal_lm(ModelSpec(path=draft_dir)), max_cached_tokens=4096)
+    target = TargetEngine.on_model(load_causal_lm(ModelSpec(path=target_dir)), max_cached_tokens=4096)
+    draft = DraftEngine.on_model(load_causal_lm(ModelSpec(path=draft_dir)), max_cached_tokens=4096)
     inputs = held_out_prompts(tokenizer, prompts, prompt_tokens)
     results = {}
     for k in ks:

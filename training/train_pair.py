@@ -1,6 +1,6 @@
 """Train the bundled target/draft pair on the standard library's Python sources, offline.
 
-    python -m replicas.train_pair --out models/
+    python -m training.train_pair --out models/
 
 Stages (each resumable; checkpoints in --work): fit a byte-level BPE on the training files,
 encode the corpus, train the target, train the draft on the corpus, distil the draft from the
@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from replicas.bpe import fit_bpe
-from replicas.corpus import corpus_files, split
+from training.bpe import fit_bpe
+from training.corpus import corpus_files, split
 
 # A small vocabulary on purpose: at 4,096 tokens the 4096 x hidden embedding took most of a
 # 0.6 M draft's parameters; at 512 (2.0 bytes/token on held-out code instead of 3.4) the draft

@@ -1,0 +1,112 @@
+"""Starting and stopping a specserve cluster from this process: `specserve up` and
+`specserve bench` (which starts the cluster it measures) both use this."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import urllib.request
+
+from cluster.config import ClusterConfig, ConfigError, load_config
+
+
+def load_or_report(path: str) -> ClusterConfig | None:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return None
+
+
+def start(config: ClusterConfig) -> None:
+    import ray
+    from ray import serve
+
+    from cluster.app import APP_NAME, build_app
+
+    address = os.environ.get("RAY_ADDRESS")
+    print(f"joining the Ray cluster at {address}" if address else "starting Ray locally", flush=True)
+    ray.init(address=address or None, logging_level="WARNING", log_to_driver=False)
+    _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
+    serve.start(http_options={"host": config.server.host, "port": config.server.port})
+    # Not blocking: the app serves once the router and the target pool run; the draft pool is
+    # optional (requests fall back to the target alone), so it must not hold up the start.
+    serve._run(build_app(config), name=APP_NAME, route_prefix="/", _blocking=False)
+    _wait_until_serving(APP_NAME)
+    url = f"http://{_reachable_host(config.server.host)}:{config.server.port}"
+    _wait_for_health(url)
+    print(f"specserve is up: {url}/v1  (model id: {config.server.model_name}); Ctrl-C stops it",
+          flush=True)
+
+
+_REQUIRED_POOLS = ("router", "target")
+
+
+def _wait_until_serving(app_name: str) -> None:
+    """Print each deployment's state whenever it changes, until the router and the target
+    pool are healthy; say so when the draft pool is not running by then."""
+    from ray import serve
+
+    last = None
+    while True:
+        app = serve.status().applications.get(app_name)
+        deployments = app.deployments if app is not None else {}
+        line = ", ".join(f"{name}: {d.status.value} {d.replica_states.get('RUNNING', 0)}/"
+                         f"{sum(d.replica_states.values())}" for name, d in sorted(deployments.items()))
+        if line and line != last:
+            print(f"  loading models ... {line}", flush=True)
+            last = line
+        if app is not None and app.status.value == "DEPLOY_FAILED":
+            raise SystemExit(f"deployment failed: {app.message}")
+        if all(name in deployments and deployments[name].status.value == "HEALTHY" for name in _REQUIRED_POOLS):
+            break
+        time.sleep(1.0)
+    draft = deployments.get("draft")
+    if draft is not None and draft.status.value != "HEALTHY":
+        print(f"  the draft pool is not running yet ({draft.message or draft.status.value}); requests are "
+              f"served by the target alone until it is", flush=True)
+
+
+def _reachable_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _wait_for_health(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url}/health did not answer within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _stop_on_sigterm() -> None:
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def wait_until_interrupted() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        print("shutting down", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()

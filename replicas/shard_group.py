@@ -1,0 +1,257 @@
+"""A replica's tensor-parallel group of shards, and the runner that drives it.
+
+Rank 0 lives in the serving replica and is the only rank anything calls; ranks 1..N-1 are
+followers. Rank 0 broadcasts each command (extend a batch, release a sequence) over a gloo
+group, then every rank runs it on its own ModelRunner, which holds that shard's weights and
+its heads' KV caches (replicas/tensor_parallel.py). The sharded forward's all-reduces keep the
+ranks in lock step, and after each command a one-number all-reduce (how many ranks failed)
+tells rank 0 that every rank ended it the same way. So all shards hold the same sequences
+and evict the same ones: batched verify and eviction work as in one process.
+
+A shard that dies breaks the group: the next collective fails at once (gloo reports the
+closed connection) and rank 0 raises ShardGroupBroken; the replica then ends its process,
+so that Serve replaces it whole (placement group and shards), and the router retries the
+calls that were in flight on the new replica, which rebuilds caches from their token ids.
+
+Followers are Ray actors in bundles 1..N-1 of the replica's placement group (STRICT_PACK keeps
+the bundles on one node), or, without Ray, local processes (tests, a GPU box without Ray).
+Start-up has two phases, so that a follower that fails to load fails the start instead of
+leaving rank 0 waiting at the rendezvous: every rank loads and shards its model, then all
+join the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from cluster.config import ModelSpec
+from replicas.loading import load_causal_lm, pick_device
+from replicas.model_runner import ExtendCall, Extension, ModelRunner
+from replicas.tensor_parallel import shard_model
+
+logger = logging.getLogger("ray.serve")
+# Followers wait for rank 0's next command in a collective: an idle replica must not time
+# out. A dead peer is still noticed at once (its connection closes).
+_COLLECTIVE_TIMEOUT = timedelta(days=7)
+_LOAD_TIMEOUT_S = 600.0
+
+
+class ShardGroupBroken(RuntimeError):
+    """A shard died or the shards disagree: the replica cannot go on and must be replaced."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    spec: ModelSpec
+    max_cached_tokens: int
+    world: int
+    init_method: str             # tcp://host:port of rank 0's rendezvous
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    rank: int
+    pid: int
+    node_id: str | None          # the Ray node it runs on (None without Ray)
+
+
+class Shard:
+    """One rank's model shard and caches; `join` connects it to the others."""
+
+    def __init__(self, plan: ShardPlan, rank: int):
+        self.plan, self.rank = plan, rank
+        self.device = _shard_device(plan.spec, rank)
+        model = load_causal_lm(plan.spec, device=torch.device("cpu"))
+        self.runner = ModelRunner(shard_model(model, rank, plan.world).to(self.device), plan.max_cached_tokens)
+        self.channel = None
+
+    def join(self) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=self.plan.init_method, rank=self.rank,
+                                world_size=self.plan.world, timeout=_COLLECTIVE_TIMEOUT)
+        self.channel = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT)   # commands
+
+    def info(self) -> ShardInfo:
+        return ShardInfo(self.rank, os.getpid(), _ray_node_id())
+
+    def follow(self) -> None:
+        """A follower's life: run rank 0's commands until it says stop or the group breaks."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=self.channel)
+            name, args = box[0]
+            if name == "stop":
+                return
+            failed = False
+            try:
+                getattr(self.runner, name)(*args)
+            except Exception:  # noqa: BLE001 - rank 0 fails the same way and reports it
+                failed = True
+            _count_failures(failed, self.channel)
+
+
+class ShardedRunner:
+    """Rank 0's side: a ModelRunner whose every command the followers run too."""
+
+    def __init__(self, shard: Shard, infos: list[ShardInfo], stop_followers: Callable[[], None]):
+        self.shard = shard
+        self.shards = infos                      # every rank, rank 0 first
+        self._stop_followers = stop_followers
+
+    @property
+    def caches(self):
+        return self.shard.runner.caches
+
+    @property
+    def tp_size(self) -> int:
+        return self.shard.plan.world
+
+    def extend_batch(self, calls: list[ExtendCall]) -> list[Extension]:
+        return self._command("extend_batch", calls)
+
+    def release(self, seq_id: str) -> None:
+        self._command("release", seq_id)
+
+    def close(self) -> None:
+        try:
+            dist.broadcast_object_list([("stop", ())], src=0, group=self.shard.channel)
+        finally:
+            self._stop_followers()
+            dist.destroy_process_group()
+
+    def _command(self, name: str, *args):
+        try:
+            dist.broadcast_object_list([(name, args)], src=0, group=self.shard.channel)
+        except Exception as exc:
+            raise ShardGroupBroken(f"could not reach the other shards: {exc}") from exc
+        error = None
+        try:
+            result = getattr(self.shard.runner, name)(*args)
+        except Exception as exc:  # noqa: BLE001 - decided below, with the others' outcome
+            error = exc
+        try:
+            failures = _count_failures(error is not None, self.shard.channel)
+        except Exception as exc:
+            raise ShardGroupBroken(f"a shard is gone: {exc}") from exc
+        if failures not in (0, self.tp_size):
+            raise ShardGroupBroken(f"{failures} of {self.tp_size} shards failed {name}: their caches differ")
+        if error is not None:
+            raise error           # every shard failed alike: an error of this batch, not of the group
+        return result
+
+
+def _count_failures(failed: bool, group) -> int:
+    flag = torch.tensor([1 if failed else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
+    return int(flag.item())
+
+
+def _shard_device(spec: ModelSpec, rank: int) -> torch.device:
+    device = pick_device(spec.device)
+    if device.type == "cuda":   # under Ray a shard sees only its own GPU, as device 0
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    return device
+
+
+def _ray_node_id() -> str | None:
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except ImportError:
+        return None
+
+
+def _rendezvous(host: str) -> str:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+# ---------------------------------------------------------------- launching the followers
+
+def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int, world: int,
+                              shard_options: dict) -> ShardedRunner:
+    """From inside a Ray actor (a Serve replica) that holds bundle 0 of its placement group:
+    followers as Ray actors in bundles 1..world-1, each with `shard_options` (num_cpus,
+    num_gpus, resources)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous(ray.util.get_node_ip_address()))
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        raise RuntimeError(f"tp_size {world} needs the replica to run in a placement group of {world} bundles")
+    actor = ray.remote(_RayFollower)
+    followers = [actor.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+        max_restarts=0, **shard_options).remote(plan, rank) for rank in range(1, world)]
+    shard = Shard(plan, 0)
+    ray.get([f.loaded.remote() for f in followers], timeout=_LOAD_TIMEOUT_S)
+    joins = [f.join.remote() for f in followers]
+    shard.join()
+    infos = [shard.info()] + ray.get(joins)
+    for follower in followers:
+        follower.follow.remote()
+    return ShardedRunner(shard, infos, lambda: [ray.kill(f) for f in followers])
+
+
+class _RayFollower:
+    """A follower rank as a Ray actor (made remote in launch_in_placement_group, so that this
+    module imports without Ray)."""
+
+    def __init__(self, plan: ShardPlan, rank: int):
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.shard = Shard(plan, rank)
+
+    def loaded(self) -> bool:
+        return True
+
+    def join(self) -> ShardInfo:
+        self.shard.join()
+        return self.shard.info()
+
+    def follow(self) -> None:
+        try:
+            self.shard.follow()
+        finally:
+            os._exit(0)    # the group is over: so is this process
+
+
+def launch_local(spec: ModelSpec, max_cached_tokens: int, world: int) -> ShardedRunner:
+    """Followers as local processes of this machine; this process is rank 0."""
+    context = torch.multiprocessing.get_context("spawn")
+    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous("127.0.0.1"))
+    ready = context.Queue()
+    processes = [context.Process(target=_follow_in_process, args=(plan, rank, ready), daemon=True)
+                 for rank in range(1, world)]
+    for process in processes:
+        process.start()
+    shard = Shard(plan, 0)
+    for _ in processes:
+        outcome = ready.get(timeout=_LOAD_TIMEOUT_S)
+        if isinstance(outcome, str):
+            raise RuntimeError(f"a shard failed to load: {outcome}")
+    shard.join()
+    infos = [shard.info()] + [ShardInfo(rank, p.pid, None) for rank, p in zip(range(1, world), processes)]
+    return ShardedRunner(shard, infos, lambda: [p.join(timeout=10) for p in processes])
+
+
+def _follow_in_process(plan: ShardPlan, rank: int, ready) -> None:
+    torch.set_num_threads(1)
+    try:
+        shard = Shard(plan, rank)
+    except Exception as exc:  # noqa: BLE001 - told to rank 0, which fails its start
+        ready.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return
+    ready.put(rank)
+    shard.join()
+    shard.follow()
