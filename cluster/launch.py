@@ -32,6 +32,7 @@ def start(config: ClusterConfig) -> None:
     print(f"joining the Ray cluster at {address}" if address else "starting Ray locally", flush=True)
     ray.init(address=address or None, logging_level="WARNING", log_to_driver=False)
     _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
+    _check_placement(config)
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     # Not blocking: the app serves once the router and the target pool run; the draft pool is
     # optional (requests fall back to the target alone), so it must not hold up the start.
@@ -46,9 +47,21 @@ def start(config: ClusterConfig) -> None:
 _REQUIRED_POOLS = ("router", "target")
 
 
+def _check_placement(config: ClusterConfig) -> None:
+    """Say which pool the cluster's nodes cannot host in full, and which resource is missing;
+    stop when the router or the target pool would have no replica at all."""
+    from cluster.placement import alive_nodes, shortfalls
+
+    for shortfall in shortfalls(config, alive_nodes()):
+        print(f"  {shortfall.message()}", flush=True)
+        if shortfall.placed == 0 and shortfall.pool in _REQUIRED_POOLS:
+            raise SystemExit(f"cannot serve: no node can host a {shortfall.pool} replica "
+                             f"(pools.{shortfall.pool}.resources in the config, or the cluster's nodes)")
+
+
 def _wait_until_serving(app_name: str) -> None:
     """Print each deployment's state whenever it changes, until the router and the target
-    pool are healthy; say so when the draft pool is not running by then."""
+    pool have a running replica each; say so when the draft pool has none by then."""
     from ray import serve
 
     last = None
@@ -62,11 +75,12 @@ def _wait_until_serving(app_name: str) -> None:
             last = line
         if app is not None and app.status.value == "DEPLOY_FAILED":
             raise SystemExit(f"deployment failed: {app.message}")
-        if all(name in deployments and deployments[name].status.value == "HEALTHY" for name in _REQUIRED_POOLS):
+        if all(name in deployments and deployments[name].replica_states.get("RUNNING", 0) > 0
+               for name in _REQUIRED_POOLS):
             break
         time.sleep(1.0)
     draft = deployments.get("draft")
-    if draft is not None and draft.status.value != "HEALTHY":
+    if draft is not None and draft.replica_states.get("RUNNING", 0) == 0:
         print(f"  the draft pool is not running yet ({draft.message or draft.status.value}); requests are "
               f"served by the target alone until it is", flush=True)
 
