@@ -96,3 +96,18 @@ def test_a_shard_killed_mid_stream_costs_a_restart_not_a_token(tp_app, greedy_re
     assert result["speculation"]["retried_calls"] > 0
     after = target.describe.remote().result()
     assert after["pid"] != before["pid"] and after["shards"][1]["pid"] != before["shards"][1]["pid"]
+
+
+def test_the_draft_pool_shards_on_its_own(ray_serve, zoo, greedy_reference):
+    # draft at tp_size 2 beside a target at 1: vLLM forces them equal, specserve does not
+    pools = {"draft": {"resources": {"num_cpus": 0.1}, "tp_size": 2}}
+    url = deploy(ray_serve, "draft-tp2", cluster_config(zoo.target, zoo.drafts["copy"], pools=pools))
+    try:
+        out = complete(url, PROMPTS[0], max_tokens=24, speculation={"k": 4})
+        assert out["choices"][0]["token_ids"] == greedy_reference(PROMPTS[0], 24)
+        assert out["speculation"]["acceptance_rate"] >= 0.95     # the draft is the target itself
+        state = serve.get_deployment_handle("draft", app_name="draft-tp2").describe.remote().result()
+        target = serve.get_deployment_handle("target", app_name="draft-tp2").describe.remote().result()
+        assert (state["tp_size"], target["tp_size"]) == (2, 1)
+    finally:
+        serve.delete("draft-tp2")
