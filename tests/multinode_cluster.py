@@ -4,7 +4,7 @@ nodes of different kinds, serving the test models; prints a JSON report of where
 replica and shard ran, a greedy completion, and what `specserve up` said when the cluster
 was too small.
 
-    python tests/multinode_cluster.py TARGET_DIR DRAFT_DIR
+    python tests/multinode_cluster.py TARGET_DIR DRAFT_DIR CONFIG_DIR
 """
 
 from __future__ import annotations
@@ -68,7 +68,16 @@ def replica_states(app: str, deployment: str, replicas: int) -> list[dict]:
 
 
 def specserve_up(config: dict, address: str, folder: Path, name: str, wait_s: float = 240) -> dict:
-    """`specserve up` against the cluster: its output until it is up or exits, then SIGTERM."""
+    """`specserve up` against the cluster: its output until it is up or exits, then SIGTERM;
+    again with another port if a Ray process took the free one first."""
+    for _ in range(3):
+        outcome = _specserve_up_once(config, address, folder, name, wait_s)
+        if not any("Failed to bind to address" in line for line in outcome["output"]):
+            break
+    return outcome
+
+
+def _specserve_up_once(config: dict, address: str, folder: Path, name: str, wait_s: float) -> dict:
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "server": {"port": free_port()}}))
     env = {**os.environ, "RAY_ADDRESS": address}
@@ -90,7 +99,7 @@ def specserve_up(config: dict, address: str, folder: Path, name: str, wait_s: fl
     return {"exit_code": code, "output": lines}
 
 
-def main(target: str, draft: str) -> dict:
+def main(target: str, draft: str, folder: Path) -> dict:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "gcs_server_port": free_port(),
                                                             "dashboard_port": free_port()})
     cluster.add_node(num_cpus=1, resources={"small_gpu": 2})
@@ -112,7 +121,6 @@ def main(target: str, draft: str) -> dict:
         out = httpx.post(f"http://127.0.0.1:{port}/multi/v1/completions", json=body, timeout=120).json()
         report["completion"] = {"token_ids": out["choices"][0]["token_ids"], "speculation": out["speculation"]}
         serve.shutdown()
-        folder = Path(os.environ.get("TMPDIR", "/tmp"))
         report["up_two_target_replicas"] = specserve_up(config_data(target, draft, target_replicas=2),
                                                         cluster.address, folder, "two-replicas")
         report["up_four_shards"] = specserve_up(config_data(target, draft, tp_size=4),
@@ -124,4 +132,4 @@ def main(target: str, draft: str) -> dict:
 
 
 if __name__ == "__main__":
-    print("REPORT " + json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)
+    print("REPORT " + json.dumps(main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))), flush=True)

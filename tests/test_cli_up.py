@@ -121,7 +121,22 @@ def terminate(process: subprocess.Popen) -> None:
 
 
 def start_up(tmp_path_factory, **config_fields) -> Server:
-    """`specserve up` on a fresh config, as a subprocess in a session of its own."""
+    """`specserve up` on a fresh config, as a subprocess in a session of its own. A free port
+    can be taken by one of the new Ray's own processes before Serve binds it: then again,
+    with another port."""
+    for attempt in range(3):
+        srv = _start_once(tmp_path_factory, **config_fields)
+        if srv.read_until("specserve is up", STARTUP_TIMEOUT_S) is not None:
+            return srv
+        terminate(srv.process)
+        srv.drain()
+        if "Failed to bind to address" not in srv.output():
+            break
+    pytest.fail(f"`specserve up` was not up within {STARTUP_TIMEOUT_S} s "
+                f"(exit code {srv.process.poll()}); its output so far:\n{srv.output()}")
+
+
+def _start_once(tmp_path_factory, **config_fields) -> Server:
     folder = tmp_path_factory.mktemp("specserve-up")
     port = free_port()
     config = write_config(folder, port, **config_fields)
@@ -135,11 +150,6 @@ def start_up(tmp_path_factory, **config_fields) -> Server:
     )
     srv = Server(process=process, url=f"http://127.0.0.1:{port}", config_dir=folder)
     srv.start_reader()
-    if srv.read_until("specserve is up", STARTUP_TIMEOUT_S) is None:
-        terminate(process)
-        srv.drain()
-        pytest.fail(f"`specserve up` was not up within {STARTUP_TIMEOUT_S} s "
-                    f"(exit code {process.poll()}); its output so far:\n{srv.output()}")
     return srv
 
 

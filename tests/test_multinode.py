@@ -19,9 +19,9 @@ HELPER = Path(__file__).with_name("multinode_cluster.py")
 @pytest.fixture(scope="module")
 def report(zoo, tmp_path_factory) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["TMPDIR"] = str(tmp_path_factory.mktemp("multinode"))
     env["PYTHONPATH"] = str(HELPER.parent.parent)
-    result = subprocess.run([sys.executable, str(HELPER), str(zoo.target), str(zoo.drafts["perturbed"])],
+    configs = tmp_path_factory.mktemp("multinode")
+    result = subprocess.run([sys.executable, str(HELPER), str(zoo.target), str(zoo.drafts["perturbed"]), str(configs)],
                             capture_output=True, text=True, timeout=900, env=env)
     lines = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, f"exit {result.returncode}\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
