@@ -7,6 +7,7 @@ from typing import Callable
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
+from cluster.autoscaling import pool_autoscaling, router_autoscaling
 from cluster.config import ClusterConfig, DraftPoolConfig, TargetPoolConfig
 from replicas.deployments import DraftPool, TargetPool
 from router.ingress import Router
@@ -25,7 +26,7 @@ def build_app(config: ClusterConfig) -> Application:
     target = TargetPool.options(**_model_pool_options(pools.target)).bind(config.models.target, pools.target)
     router = pools.router
     return Router.options(
-        num_replicas=router.replicas,
+        **_replica_count(router, router_autoscaling),
         # The router's own gate admits and queues generation requests (router/gate.py); Serve
         # lets through that many and room for /health and for the gate's quick refusals.
         max_ongoing_requests=router.max_ongoing_requests + router.max_queued_requests + CONTROL_HEADROOM,
@@ -40,12 +41,18 @@ def _model_pool_options(pool: DraftPoolConfig | TargetPoolConfig) -> dict:
     """A model pool's Serve options. A replica of tp_size shards reserves them together: one
     placement group bundle per shard, STRICT_PACK so that all are on one node; the replica
     (rank 0) runs in bundle 0 and starts the other shards in bundles 1.. (replicas/shard_group.py)."""
-    options = {"num_replicas": pool.replicas, "max_ongoing_requests": pool.max_ongoing_requests,
+    options = {**_replica_count(pool, pool_autoscaling), "max_ongoing_requests": pool.max_ongoing_requests,
                "request_router_config": CACHE_AFFINITY, "ray_actor_options": pool.resources.ray_actor_options()}
     if pool.tp_size > 1:
         options["placement_group_bundles"] = [pool.resources.bundle()] * pool.tp_size
         options["placement_group_strategy"] = "STRICT_PACK"
     return options
+
+
+def _replica_count(pool, autoscaling_config) -> dict:
+    if pool.autoscaling is None:
+        return {"num_replicas": pool.replicas}
+    return {"autoscaling_config": autoscaling_config(pool.autoscaling)}
 
 
 def ensure_placeholder_models(config: ClusterConfig, say: Callable[[str], None] = print) -> None:

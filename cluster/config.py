@@ -66,6 +66,52 @@ class Resources(Strict):
         return {name: amount for name, amount in amounts.items() if amount > 0}
 
 
+class AutoscalingSettings(Strict):
+    """Replicas between min and max, following the pool's queue depth (cluster/autoscaling.py):
+    for the router, HTTP requests per replica; for the draft and target pools, the sequences a
+    replica is serving."""
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(ge=1)
+    initial_replicas: int | None = Field(None, ge=1, description="Replicas at start (default min_replicas).")
+    target_queue_per_replica: float = Field(
+        gt=0, description="Requests (router) or sequences (draft, target) per replica that the pool "
+                          "scales to: replicas = ceil(queue depth / this).")
+    upscale_delay_s: float = Field(5.0, ge=0, description="How long the pool must want more replicas before it gets them.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="How long it must want fewer before they go.")
+    look_back_s: float = Field(15.0, gt=10, description="The window over which the queue depth is averaged "
+                                                        "(Serve wants it longer than its 10 s metrics interval).")
+
+    @model_validator(mode="after")
+    def ordered(self):
+        initial = self.initial_replicas if self.initial_replicas is not None else self.min_replicas
+        if not self.min_replicas <= initial <= self.max_replicas:
+            raise ValueError(f"need min_replicas ({self.min_replicas}) <= initial_replicas ({initial}) "
+                             f"<= max_replicas ({self.max_replicas})")
+        return self
+
+
+class _ScaledPool(Strict):
+    replicas: int = Field(1, ge=1, description="A fixed number of replicas (without autoscaling).")
+    autoscaling: AutoscalingSettings | None = Field(None, description="Scale by queue depth instead.")
+
+    @model_validator(mode="after")
+    def fixed_or_scaled(self):
+        if self.autoscaling is not None and "replicas" in self.model_fields_set:
+            raise ValueError("give either replicas or autoscaling, not both")
+        return self
+
+    @property
+    def initial_replicas(self) -> int:
+        scaling = self.autoscaling
+        if scaling is None:
+            return self.replicas
+        return scaling.initial_replicas if scaling.initial_replicas is not None else scaling.min_replicas
+
+    @property
+    def most_replicas(self) -> int:
+        return self.autoscaling.max_replicas if self.autoscaling is not None else self.replicas
+
+
 class KVCacheConfig(Strict):
     max_tokens: int = Field(
         32768, ge=1, description="Cached positions a replica keeps over all its sequences; beyond this the "
@@ -92,8 +138,7 @@ class TargetBatchingConfig(BatchingConfig):
     wait_for_active: bool = Field(True, description=BatchingConfig.model_fields["wait_for_active"].description)
 
 
-class _ModelPoolConfig(Strict):
-    replicas: int = Field(1, ge=1)
+class _ModelPoolConfig(_ScaledPool):
     engine: Literal["huggingface"] = Field(
         "huggingface", description="What runs the model: transformers, in the replica's process "
                                    "(tp_size 1) or as a tensor-parallel group of tp_size shards.")
@@ -136,8 +181,7 @@ class TargetPoolConfig(_ModelPoolConfig):
                                 "without the target.")
 
 
-class RouterPoolConfig(Strict):
-    replicas: int = Field(1, ge=1)
+class RouterPoolConfig(_ScaledPool):
     max_ongoing_requests: int = Field(64, ge=1, description="Generation requests one router replica runs at once.")
     max_queued_requests: int = Field(
         64, ge=0, description="Generation requests one router replica holds waiting for a free slot; beyond "

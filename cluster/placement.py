@@ -42,11 +42,12 @@ def shortfalls(config: ClusterConfig, nodes: list[NodeResources]) -> list[Shortf
     for name in _POOLS:
         pool = getattr(config.pools, name)
         need = _replica_needs(pool.resources, getattr(pool, "tp_size", 1))
-        placed = sum(_take(free, need) for _ in range(pool.replicas))
-        if placed < pool.replicas:
+        wanted = pool.initial_replicas          # what must start; autoscaling may want more later
+        placed = sum(_take(free, need) for _ in range(wanted))
+        if placed < wanted:
             most = {r: max((node.get(r, 0.0) for node in free), default=0.0) for r in need}
             missing = {r: round(need[r] - most[r], 6) for r in need if most[r] < need[r]}
-            found.append(Shortfall(name, placed, pool.replicas, need, missing))
+            found.append(Shortfall(name, placed, wanted, need, missing))
     return found
 
 

@@ -68,6 +68,12 @@ class Batcher(Generic[Item, Result]):
         self._wakeup.set()
         return await future
 
+    @property
+    def active_sequences(self) -> int:
+        """Sequences this batcher is serving: calls queued or running, and the sequences
+        expected to call again (the signal the pool autoscales on)."""
+        return len(self._active | {self.key(item) for item, _ in self._queue})
+
     def release(self, key: Hashable) -> None:
         """The sequence is finished: batches stop waiting for it."""
         self._active.discard(key)

@@ -71,6 +71,10 @@ class _ModelReplica:
         self.batcher.release(seq_id)
         await self._on_worker(self.engine.release, seq_id)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads from each replica (cluster/autoscaling.py)."""
+        return {"active_sequences": float(self.batcher.active_sequences)}
+
     async def describe(self, seq_id: str | None = None) -> dict:
         """This replica's process, node, batching and engine state (and whether it holds
         seq_id). Called with a sequence's lane as session id, it reports on the replica
@@ -80,7 +84,8 @@ class _ModelReplica:
                 "batches": batcher.batches,
                 "mean_batch": round(batcher.calls / batcher.batches, 3) if batcher.batches else 0.0,
                 "missed_windows": batcher.missed_windows, "waited_ms": round(batcher.waited_s * 1000, 1),
-                "isolation_reruns": batcher.isolation_reruns, **self.engine.describe(),
+                "isolation_reruns": batcher.isolation_reruns, "active_sequences": batcher.active_sequences,
+                **self.engine.describe(),
                 "holds": self.engine.holds(seq_id) if seq_id is not None else None}
 
 

@@ -25,7 +25,8 @@ _LANES_PER_REPLICA = 4
 
 
 def lane_count(pools: PoolsConfig) -> int:
-    replicas = max(pools.draft.replicas, pools.target.replicas)
+    """Lanes for as many replicas as the pools may have (autoscaling's maximum)."""
+    replicas = max(pools.draft.most_replicas, pools.target.most_replicas)
     return 1 if replicas == 1 else _LANES_PER_REPLICA * replicas
 
 

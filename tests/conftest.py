@@ -74,6 +74,8 @@ def ray_serve():
     import ray
     from ray import serve
 
+    # Replicas report their queue depth every second, not every 10: autoscaling tests react in time.
+    os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     ray.init(num_cpus=2, logging_level="WARNING", log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
