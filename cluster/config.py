@@ -206,10 +206,17 @@ class PoolsConfig(Strict):
 
 
 class SpeculationConfig(Strict):
-    enabled: bool = Field(True, description="Speculate unless a request turns it off.")
-    max_k: int = Field(16, ge=1, description="Largest k a request may ask for.")
-    k: int = Field(4, ge=1, description="Draft tokens per round unless a request fixes k.")
+    enabled: bool = Field(True, description="Speculate unless a request turns it off; when false, no "
+                                            "request can turn it on.")
+    adaptive: bool = Field(True, description="Choose k per sequence and round by goodput, between min_k and "
+                                             "max_k (router/goodput.py), unless a request fixes k.")
+    min_k: int = Field(0, ge=0, description="Smallest k the adaptive choice may make (0: it may turn "
+                                            "speculation off for a round).")
+    max_k: int = Field(8, ge=1, description="Largest k a request may ask for or the adaptive choice make.")
+    k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off, or until the "
+                                        "replicas' cost profiles are known.")
 
+    _min_within_max = _at_most("min_k", "max_k")
     _k_within_max = _at_most("k", "max_k")
 
 

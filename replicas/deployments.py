@@ -42,6 +42,8 @@ class _ModelReplica:
         logger.info("loading %s model from %s (%s, %s, tp_size %d)", self.role, spec.path, spec.dtype,
                     spec.device, pool.tp_size)
         self.engine = build_engine(self.role, spec, pool)
+        self.cost_profile = self.engine.cost_profile()   # also warms the engine up
+        logger.info("%s forward ms by positions: %s", self.role, self.cost_profile)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
         run_batch = getattr(self.engine, self.batched_method)
         batching = pool.batching
@@ -85,6 +87,7 @@ class _ModelReplica:
                 "mean_batch": round(batcher.calls / batcher.batches, 3) if batcher.batches else 0.0,
                 "missed_windows": batcher.missed_windows, "waited_ms": round(batcher.waited_s * 1000, 1),
                 "isolation_reruns": batcher.isolation_reruns, "active_sequences": batcher.active_sequences,
+                "cost_profile_ms": self.cost_profile,
                 **self.engine.describe(),
                 "holds": self.engine.holds(seq_id) if seq_id is not None else None}
 

@@ -43,6 +43,7 @@ class Extension:
     logits: torch.Tensor   # [num_logits, V], float32, for the last num_logits positions
     positions_fed: int     # positions computed for this sequence
     batch_rows: int        # sequences in the forward pass that computed it
+    batch_positions: int   # positions that forward pass computed, over all its sequences
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,12 @@ class ModelRunner:
                             attention_mask=_attention_mask(rows, P, N).to(self.device) if padded else None,
                             cache=self._batched_past(rows, P), use_cache=True)
         logits = output.logits.float().cpu()                                        # [B, N, V]
-        extensions = []
+        extensions, batch_positions = [], sum(len(row.new_ids) for row in rows)
         for b, row in enumerate(rows):
             fed, wanted = len(row.new_ids), row.call.num_logits
             self.caches.put(row.call.seq_id, SequenceKV(list(row.call.tokens), _row_kv(output.cache, b, P - row.reuse, P + fed)))
-            extensions.append(Extension(logits[b, fed - wanted:fed], positions_fed=fed, batch_rows=len(rows)))
+            extensions.append(Extension(logits[b, fed - wanted:fed], positions_fed=fed, batch_rows=len(rows),
+                                        batch_positions=batch_positions))
         return extensions
 
     def _batched_past(self, rows: list[_Row], P: int) -> DynamicCache:

@@ -26,6 +26,7 @@ class Proposal:
     positions_fed: int                # positions the draft model computed for this call
     batch_rows: float                 # mean sequences per draft forward pass of this call
     model_ms: float                   # wall time of the replica's batched propose
+    steps: int = 0                    # draft forward passes that batched propose ran
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Verification:
     positions_fed: int         # positions the target model computed for this sequence
     batch_rows: int            # sequences in the forward pass that verified it
     model_ms: float            # wall time of the replica's batched verify
+    batch_positions: int = 0   # positions that forward pass computed, over all its sequences
 
 
 class RowError(Exception):

@@ -111,6 +111,10 @@ class ShardedRunner:
         return self.shard.runner.caches
 
     @property
+    def vocab_size(self) -> int:
+        return self.shard.runner.vocab_size
+
+    @property
     def tp_size(self) -> int:
         return self.shard.plan.world
 

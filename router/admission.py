@@ -96,19 +96,22 @@ class Admission:
             sampling=_sampling(body),
             stop=body.stop_strings(),
             seed=body.seed if body.seed is not None else secrets.randbits(63),
-            k=self._k(body),
+            **self._k(body),
         )
 
-    def _k(self, body: _GenerationBody) -> int:
+    def _k(self, body: _GenerationBody) -> dict:
+        """k and whether to adapt it. A request may turn speculation off or fix k within the
+        operator's bounds, but cannot turn on what the operator turned off."""
         spec = self.config.speculation
         options = body.speculation
-        enabled = spec.enabled if options is None or options.enabled is None else options.enabled
-        if not enabled:
-            return 0
-        k = options.k if options is not None and options.k is not None else spec.k
-        if k > spec.max_k:
-            raise bad_request(f"speculation.k is at most {spec.max_k} on this server.", "speculation.k")
-        return k
+        wanted = options.enabled if options is not None and options.enabled is not None else True
+        fixed = options.k if options is not None else None
+        if fixed is not None and not max(1, spec.min_k) <= fixed <= spec.max_k:
+            raise bad_request(f"speculation.k must lie in [{max(1, spec.min_k)}, {spec.max_k}] on this server.",
+                              "speculation.k")
+        if not (spec.enabled and wanted):
+            return {"k": 0, "adaptive": False}
+        return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None}
 
 
 def _sampling(body: _GenerationBody) -> SamplingParams:

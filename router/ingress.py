@@ -35,6 +35,7 @@ from router.auth import ApiKeys
 from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_too_large, server_error,
                            unavailable, unsupported_media_type)
 from router.gate import GateFull, RequestGate, Slot
+from router.goodput import GoodputController
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import CHAT, COMPLETION, ResponseFormat, envelope, sse, usage
 from router.routing import lane_count
@@ -147,8 +148,10 @@ class Router:
         self.admission = Admission(config, tokenizer, vocab_size)
         pools = config.pools
         self.gate = RequestGate(pools.router.max_ongoing_requests, pools.router.max_queued_requests)
+        spec = config.speculation
         self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer),
                                     PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
+                                    GoodputController(spec.min_k, spec.max_k, spec.k),
                                     lane_count(pools), pools.router.gather_wait_ms / 1000)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
@@ -176,7 +179,8 @@ class Router:
         """This replica's process and admission state (for tests and operators)."""
         return {"pid": os.getpid(), "running": self.gate.running, "queued": self.gate.queued,
                 "refused": self.gate.refused, "drafts_available": self.loop.drafts.available,
-                "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences()}
+                "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences(),
+                "goodput": self.loop.goodput.describe()}
 
     async def _generate(self, request: Request, body_type: type[_GenerationBody],
                         admit: Callable[..., Generation], fmt: ResponseFormat):

@@ -32,6 +32,7 @@ from replicas.protocol import ProposeRequest, RowError, VerifyRequest
 from replicas.sampling import SamplingParams
 from router.fallback import DraftAvailability
 from router.gathering import CallGatherer
+from router.goodput import CostProfile, GoodputController
 from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
 
@@ -65,6 +66,7 @@ class Generation:
     stop: list[str]
     seed: int
     k: int                     # draft tokens per round; 0 turns speculation off
+    adaptive: bool = False     # choose k each round by goodput (router/goodput.py), k until it can
 
 
 @dataclass
@@ -82,6 +84,7 @@ class SpeculationStats:
     model_ms: float = 0.0           # summed draft + target engine time of those rounds
     retried_calls: int = 0          # calls repeated because their replica died
     fallback_rounds: int = 0        # rounds that wanted drafts and went on without them
+    k_chosen: int = 0               # summed over rounds: the k each round asked for
 
     def as_dict(self) -> dict:
         rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -92,7 +95,8 @@ class SpeculationStats:
                 "mean_draft_batch": round(self.draft_batch_rows / self.draft_rounds, 3) if self.draft_rounds else 0.0,
                 "round_ms": round(self.round_ms * per_round, 3),
                 "coordination_ms_per_round": round((self.round_ms - self.model_ms) * per_round, 3),
-                "retried_calls": self.retried_calls, "fallback_rounds": self.fallback_rounds}
+                "retried_calls": self.retried_calls, "fallback_rounds": self.fallback_rounds,
+                "mean_k": round(self.k_chosen * per_round, 3)}
 
 
 @dataclass
@@ -117,7 +121,7 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 
 class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
-                 lanes: int = 1, gather_wait_s: float = 0.02):
+                 goodput: GoodputController, lanes: int = 1, gather_wait_s: float = 0.02):
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
@@ -129,6 +133,8 @@ class SpeculationLoop:
         self.gatherer = CallGatherer(self._send, gather_wait_s,
                                      abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
         self.drafts = DraftAvailability(self._probe_drafts, timeouts.draft_s)
+        self.goodput = goodput
+        self._profiles_task: asyncio.Task | None = None
         self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
         self._running: set[str] = set()
 
@@ -159,12 +165,13 @@ class SpeculationLoop:
     async def _round(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
                      stats: SpeculationStats) -> list[int]:
         started = time.perf_counter()
-        remaining = gen.max_tokens - (len(tokens) - len(gen.prompt_ids))
-        k = min(gen.k, remaining - 1)  # a round yields up to k + 1 tokens
-        if k == 0 and gen.k > 0:
+        cap = gen.max_tokens - (len(tokens) - len(gen.prompt_ids)) - 1   # a round yields up to k + 1 tokens
+        if cap == 0 and gen.k > 0:
             # The last token needs no draft: free the draft pool's cache now.
             self._release(lane, seq_id, "draft")
-        drafts, probs = await self._drafts(lane, seq_id, tokens, k, gen, stats)
+        k = self._choose_k(gen, cap)
+        stats.k_chosen += k
+        drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
         verdict = await self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")))
         stats.rounds += 1
@@ -174,31 +181,58 @@ class SpeculationLoop:
         stats.model_ms += verdict.model_ms
         stats.round_ms += (time.perf_counter() - started) * 1000
         stats.retried_calls = self._retries[seq_id]
+        self.goodput.observe(len(drafts), verdict.accepted, (time.perf_counter() - started) * 1000,
+                             verdict, proposal, adaptive=gen.adaptive)
         return verdict.tokens
 
+    def _choose_k(self, gen: Generation, cap: int) -> int:
+        """The request's fixed k; or, adaptive, the router's k by goodput (router/goodput.py),
+        which starts at the configured k until the pools' cost profiles are known."""
+        if not gen.adaptive:
+            return min(gen.k, cap)
+        if not self.goodput.ready:
+            self._fetch_profiles()
+        return self.goodput.choose(cap)
+
+    def _fetch_profiles(self) -> None:
+        """The pools' cost profiles, once, in the background (a fresh context: it outlives the
+        request that asked)."""
+        if self._profiles_task is None or (self._profiles_task.done() and not self.goodput.ready):
+            self._profiles_task = asyncio.get_running_loop().create_task(
+                self._load_profiles(), context=contextvars.Context())
+
+    async def _load_profiles(self) -> None:
+        for pool in ("draft", "target"):
+            try:
+                state = await _within(self.pools[pool].describe.remote(), 30.0)
+                self.goodput.profiles[pool] = CostProfile.from_describe(state)
+            except Exception:  # noqa: BLE001 - retried at a later round; fixed k meanwhile
+                logger.warning("no cost profile from the %s pool yet", pool, exc_info=True)
+
     async def _drafts(self, lane: str, seq_id: str, tokens: list[int], k: int, gen: Generation,
-                      stats: SpeculationStats) -> tuple[list[int], object]:
-        """k drafts and their probabilities q; none when k is 0 or the drafts are unavailable."""
+                      stats: SpeculationStats) -> tuple[list[int], object, object]:
+        """k drafts, their probabilities q and the proposal; none when k is 0 or the drafts
+        are unavailable."""
         if k == 0:
-            return [], None
+            return [], None, None
         if not self.drafts.available:
             stats.fallback_rounds += 1
-            return [], None
+            return [], None, None
         try:
             proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
                 seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
         except RowError as exc:   # this sequence's row alone failed on the draft replica
             logger.warning("drafting failed for %s (%s): verifying without drafts", seq_id, exc)
             stats.fallback_rounds += 1
-            return [], None
+            return [], None, None
         except Exception as exc:  # noqa: BLE001 - the pool failed or is late: go on without it
             self.drafts.report_failure(type(exc).__name__)
             stats.fallback_rounds += 1
-            return [], None
+            return [], None, None
         stats.draft_batch_rows += proposal.batch_rows
         stats.draft_rounds += 1
         stats.model_ms += proposal.model_ms
-        return proposal.tokens, proposal.probs
+        return proposal.tokens, proposal.probs, proposal
 
     async def _send(self, pool: str, lane: str, requests: list) -> list:
         """One call to a pool with the requests of a lane (router/gathering.py)."""

@@ -1,5 +1,6 @@
-"""`specserve bench` end to end against a served app: both load modes, every baseline, and
-the three outputs (table, JSON with the documented keys, PNG)."""
+"""`specserve bench` end to end against a served app: both load modes, every speculation mode
+(adaptive, fixed k, a k sweep, target-only) with repeats, every baseline, and the three
+outputs (table, JSON with the documented keys, PNG)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,19 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     out = tmp_path / "bench.json"
     code = main(["bench", "--url", apps["perturbed"], "--config", str(config), "--concurrency", "1", "3",
                  "--request-rate", "20", "--num-requests", "3", "--max-tokens", "12", "--prompt-tokens", "16",
-                 "--hf-prompts", "1", "--out", str(out)])
+                 "--sweep-k", "2", "--repeats", "2", "--hf-prompts", "1", "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
+    assert report["closed_loop"][0]["modes"] == ["adaptive", "speculative", "target_only", "k=2"]
+    assert report["closed_loop"][1]["modes"] == ["adaptive", "speculative", "target_only"]
+    for run in report["closed_loop"]:
+        for mode in run["modes"]:
+            assert len(run[mode]["output_tokens_per_s_runs"]) == 2       # --repeats 2
+            assert run[mode]["output_tokens"] == run["target_only"]["output_tokens"]   # greedy: same tokens
+        assert run["speedups"]["target_only"] == 1.0 and run["noise"] >= 0
+        assert run[mode]["requests"] == max(3, 2 * run["concurrency"])
+    assert report["closed_loop"][0]["k=2"]["mean_k"] <= 2 and report["closed_loop"][0]["speculative"]["mean_k"] > 2
     for run in report["closed_loop"] + report["open_loop"]:
         spec, alone = run["speculative"], run["target_only"]
         assert spec["failed"] == alone["failed"] == 0
@@ -32,7 +42,8 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
         assert run["speedup_vs_target_only"] > 0 and run["efficiency_vs_ideal"] > 0
     assert report["ideal"]["cost_ratio"] > 0 and report["ideal"]["ideal_speedup"] > 0
     assert report["hf_assisted"]["identical_outputs"] is True
-    assert set(report["summary"]) == {"speedup_vs_target_only", "efficiency_vs_ideal", "hf_assisted_speedup"}
+    assert set(report["summary"]) == {"speedup_vs_target_only", "efficiency_vs_ideal", "speedups_by_mode", "noise",
+                                      "hf_assisted_speedup"}
     assert report["vllm"].startswith("skipped")
     png = out.with_suffix(".png")
     assert report["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

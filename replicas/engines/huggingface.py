@@ -25,6 +25,7 @@ from replicas.speculative import greedy_round, sampled_round
 
 class Runner(Protocol):
     caches: KVCacheStore
+    vocab_size: int
 
     def extend_batch(self, calls: list[ExtendCall]) -> list[Extension]: ...
 
@@ -53,6 +54,30 @@ class _Engine:
 
     def holds(self, seq_id: str) -> bool:
         return seq_id in self.runner.caches
+
+    def cost_profile(self, rows=(1, 2, 4, 8, 16), positions=(1, 2, 3, 5, 9), context: int = 64,
+                     repeats: int = 3) -> dict:
+        """Median ms of one forward pass over R sequences that each compute N new positions on
+        top of `context` cached ones, for R in `rows` and N in `positions`: a decode step of R
+        sequences is N = 1, a verify of k drafts N = k + 1. The router chooses k from it
+        (router/goodput.py); measuring it also warms the engine up."""
+        table = [[self._forward_ms(count, new, context, repeats) for new in positions] for count in rows]
+        return {"rows": list(rows), "positions": list(positions), "ms": table}
+
+    def _forward_ms(self, count: int, new: int, context: int, repeats: int) -> float:
+        vocab = self.runner.vocab_size
+        calls = [ExtendCall(f"_profile-{count}-{new}-{i}",
+                            [(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(context + new)], new)
+                 for i in range(count)]
+        self.runner.extend_batch(calls)          # the contexts, not timed
+        times = []
+        for _ in range(repeats):                 # the last `new` positions of each, again
+            started = time.perf_counter()
+            self.runner.extend_batch(calls)
+            times.append((time.perf_counter() - started) * 1000)
+        for call in calls:
+            self.runner.release(call.seq_id)
+        return round(sorted(times)[len(times) // 2], 3)
 
 
 class DraftEngine(_Engine):
@@ -85,7 +110,7 @@ class DraftEngine(_Engine):
         model_ms = (time.perf_counter() - started) * 1000
         mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
         return [failures.get(i) or Proposal(drafts[i], torch.stack(rows[i]) if rows[i] else None,
-                                            fed[i], mean_rows, model_ms)
+                                            fed[i], mean_rows, model_ms, steps=len(batch_rows))
                 for i in range(len(requests))]
 
     @staticmethod
@@ -107,7 +132,8 @@ class TargetEngine(_Engine):
              for r in requests])  # logits [k+1, V] each
         outcomes = [self._decide_row(r, e.logits) for r, e in zip(requests, extensions)]
         model_ms = (time.perf_counter() - started) * 1000
-        return [o if isinstance(o, RowError) else Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms)
+        return [o if isinstance(o, RowError) else
+                Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms, e.batch_positions)
                 for o, e in zip(outcomes, extensions)]
 
     def _decide_row(self, request: VerifyRequest, logits: torch.Tensor):
