@@ -1,5 +1,5 @@
 """The `specserve` command: `up` starts the cluster, `config check` validates cluster.yaml,
-`bench` measures it against its baselines."""
+`bench` measures it against its baselines, `status` summarises a running one."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from cluster.bench.run import add_parser as add_bench_parser
 from cluster.config import DEFAULT_CONFIG_FILE
 from cluster.launch import load_or_report, shutdown, start, wait_until_interrupted
+from cluster.status import add_parser as add_status_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     check.set_defaults(handler=_config_check)
 
     add_bench_parser(commands)
+    add_status_parser(commands)
     return parser
 
 

@@ -27,6 +27,7 @@ from ray import serve
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.batcher import Batcher
 from replicas.engines import build_engine
+from replicas.metrics import PoolMetrics
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.shard_group import ShardGroupBroken
 
@@ -45,11 +46,16 @@ class _ModelReplica:
         self.cost_profile = self.engine.cost_profile()   # also warms the engine up
         logger.info("%s forward ms by positions: %s", self.role, self.cost_profile)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
-        run_batch = getattr(self.engine, self.batched_method)
+        self.metrics = PoolMetrics()
         batching = pool.batching
-        self.batcher = Batcher(lambda calls: self._on_worker(run_batch, calls), lambda call: call.seq_id,
+        self.batcher = Batcher(self._run_batch, lambda call: call.seq_id,
                                batching.max_batch_size, batching.wait_ms / 1000, batching.wait_for_active)
         logger.info("%s model ready", self.role)
+
+    async def _run_batch(self, calls: list) -> list:
+        results = await self._on_worker(getattr(self.engine, self.batched_method), calls)
+        self.metrics.batch(len(calls), self.batcher.active_sequences, self.engine.describe())
+        return results
 
     async def _on_worker(self, fn, *args):
         try:

@@ -20,6 +20,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,6 +37,7 @@ from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_t
                            unavailable, unsupported_media_type)
 from router.gate import GateFull, RequestGate, Slot
 from router.goodput import GoodputController
+from router.metrics import RouterMetrics
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import CHAT, COMPLETION, ResponseFormat, envelope, sse, usage
 from router.routing import lane_count
@@ -149,10 +151,11 @@ class Router:
         pools = config.pools
         self.gate = RequestGate(pools.router.max_ongoing_requests, pools.router.max_queued_requests)
         spec = config.speculation
+        self.metrics = RouterMetrics()
         self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer),
                                     PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
                                     GoodputController(spec.min_k, spec.max_k, spec.k),
-                                    lane_count(pools), pools.router.gather_wait_ms / 1000)
+                                    lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
 
@@ -169,18 +172,30 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._generate(request, CompletionBody, self.admission.completion, COMPLETION)
+        return await self._counted(self._generate(request, CompletionBody, self.admission.completion, COMPLETION))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, ChatBody, self.admission.chat, CHAT)
+        return await self._counted(self._generate(request, ChatBody, self.admission.chat, CHAT))
+
+    async def _counted(self, generation):
+        """The request's outcome in the metrics: its status (a stream counts itself when it ends)."""
+        try:
+            response = await generation
+        except OpenAIError as exc:
+            self.metrics.finished(exc.status, exc.code or exc.type)
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.metrics.finished(200)
+        return response
 
     async def describe(self) -> dict:
         """This replica's process and admission state (for tests and operators)."""
         return {"pid": os.getpid(), "running": self.gate.running, "queued": self.gate.queued,
                 "refused": self.gate.refused, "drafts_available": self.loop.drafts.available,
                 "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences(),
-                "goodput": self.loop.goodput.describe()}
+                "goodput": self.loop.goodput.describe(), "totals": self.metrics.totals.as_dict(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     async def _generate(self, request: Request, body_type: type[_GenerationBody],
                         admit: Callable[..., Generation], fmt: ResponseFormat):
@@ -205,6 +220,7 @@ class Router:
                 slot.release()
 
     async def _enter(self, deadline: float) -> Slot:
+        self.metrics.gate(self.gate.running, self.gate.queued, self.loop.goodput.k)
         try:
             return await asyncio.wait_for(self.gate.enter(), max(deadline - time.monotonic(), 0))
         except GateFull:
@@ -215,8 +231,12 @@ class Router:
     async def _complete(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat,
                         deadline: float) -> dict:
         response_id, stats, text, ids, finish = fmt.new_id(), SpeculationStats(), [], [], None
+        last = deadline - self.config.limits.request_timeout_s     # the request's arrival
         try:
             async for delta in _until(deadline, self.loop.run(gen, stats, seq_id=response_id)):
+                now = time.monotonic()
+                self.metrics.tokens(len(delta.token_ids), not ids, now - last)
+                last = now
                 text.append(delta.text)
                 ids.extend(delta.token_ids)
                 finish = delta.finish_reason
@@ -232,9 +252,13 @@ class Router:
     async def _stream(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat,
                       slot: Slot, deadline: float) -> AsyncIterator[str]:
         response_id, stats, produced, first = fmt.new_id(), SpeculationStats(), 0, True
-        want_ids = body.return_token_ids
+        want_ids, outcome = body.return_token_ids, (200, None)
+        last = deadline - self.config.limits.request_timeout_s     # the request's arrival
         try:
             async for delta in _until(deadline, self.loop.run(gen, stats, seq_id=response_id)):
+                now = time.monotonic()
+                self.metrics.tokens(len(delta.token_ids), produced == 0, now - last)
+                last = now
                 produced += len(delta.token_ids)
                 if not (delta.text or delta.finish_reason or first or want_ids):
                     continue  # nothing a client could see yet (e.g. half a character)
@@ -248,10 +272,15 @@ class Router:
                                    usage=usage(len(gen.prompt_ids), produced),
                                    speculation=stats.as_dict()))
         except asyncio.TimeoutError:  # the status line is sent: report in-band
-            yield sse(deadline_exceeded(self.config.limits.request_timeout_s).body())
+            error = deadline_exceeded(self.config.limits.request_timeout_s)
+            outcome = (error.status, error.code)
+            yield sse(error.body())
         except Exception as exc:  # noqa: BLE001 - this request's own failure, told in-band
             logger.warning("stream %s failed: %r", response_id, exc)
-            yield sse(_failure(exc).body())
+            error = _failure(exc)
+            outcome = (error.status, error.code or error.type)
+            yield sse(error.body())
         finally:
             slot.release()
+            self.metrics.finished(*outcome)
         yield sse("[DONE]")

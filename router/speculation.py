@@ -121,7 +121,7 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 
 class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
-                 goodput: GoodputController, lanes: int = 1, gather_wait_s: float = 0.02):
+                 goodput: GoodputController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None):
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
@@ -134,6 +134,7 @@ class SpeculationLoop:
                                      abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
         self.drafts = DraftAvailability(self._probe_drafts, timeouts.draft_s)
         self.goodput = goodput
+        self.metrics = metrics            # router/metrics.py RouterMetrics, or None
         self._profiles_task: asyncio.Task | None = None
         self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
         self._running: set[str] = set()
@@ -171,9 +172,15 @@ class SpeculationLoop:
             self._release(lane, seq_id, "draft")
         k = self._choose_k(gen, cap)
         stats.k_chosen += k
+        fallbacks_before = stats.fallback_rounds
         drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
         verdict = await self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")))
+        if self.metrics is not None:
+            # A call after the first that computed the whole sequence again rebuilt its cache.
+            rebuilt = {"target": stats.rounds > 0 and verdict.positions_fed >= len(tokens),
+                       "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= len(tokens)}
+            self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt)
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted

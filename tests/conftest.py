@@ -68,15 +68,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="session")
 def ray_serve():
-    """A real local Ray with Serve's HTTP proxy on a free port; yields the base URL."""
+    """A real local Ray with Serve's HTTP proxy on a free port (and its Prometheus metrics on
+    METRICS_PORT); yields the base URL."""
     import ray
     from ray import serve
 
-    # Replicas report their queue depth every second, not every 10: autoscaling tests react in time.
+    # Replicas report their queue depth every second, not every 10: autoscaling tests react in
+    # time; metrics are exported every second for the same reason.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
-    ray.init(num_cpus=2, logging_level="WARNING", log_to_driver=False)
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    ray.init(num_cpus=2, logging_level="WARNING", log_to_driver=False, _metrics_export_port=METRICS_PORT)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -1,0 +1,94 @@
+"""The router's Prometheus series, through Ray's metrics API (exported by every node's
+metrics agent, with Serve's deployment, replica and application tags added; Prometheus
+names carry Ray's `ray_` prefix). The counting itself happens in plain objects
+(SpeculationStats per request, the gate, the goodput controller); this module only exports.
+No series is labelled by request.
+
+Series (all `specserve_`): requests_total{status}, errors_total{type}, rounds_total{kind:
+speculative | target_only | fallback}, drafted_tokens_total, accepted_tokens_total,
+generated_tokens_total, cache_rebuilds_total{pool}, tokens_per_round, k (the k each round
+asked for), verify_batch_size and draft_batch_size (sequences in the forward pass that
+served a round), ttft_seconds, inter_token_seconds, router_requests{state: running |
+queued}, adaptive_k.
+"""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from router.totals import Totals
+
+_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17]
+_K = [0.5, 1, 2, 3, 4, 5, 6, 8, 12, 16]   # boundaries must be positive: k = 0 falls in the first
+_SECONDS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.requests = Counter("specserve_requests_total", "HTTP generation requests by status",
+                                tag_keys=("status",))
+        self.errors = Counter("specserve_errors_total", "Failed requests by error type", tag_keys=("type",))
+        self.rounds = Counter("specserve_rounds_total", "Speculation rounds by kind", tag_keys=("kind",))
+        self.drafted = Counter("specserve_drafted_tokens_total", "Draft tokens sent to verification")
+        self.accepted = Counter("specserve_accepted_tokens_total", "Draft tokens the target kept")
+        self.generated = Counter("specserve_generated_tokens_total", "Tokens generated for clients")
+        self.rebuilds = Counter("specserve_cache_rebuilds_total",
+                                "Calls after a sequence's first that recomputed the whole sequence "
+                                "(its cache was evicted or its replica replaced)", tag_keys=("pool",))
+        self.tokens_per_round = Histogram("specserve_tokens_per_round", "Tokens a round yielded", _TOKENS)
+        self.k = Histogram("specserve_k", "Draft tokens a round asked for", _K)
+        self.verify_batch = Histogram("specserve_verify_batch_size", "Sequences in the forward pass that "
+                                      "verified a round", _SIZES)
+        self.draft_batch = Histogram("specserve_draft_batch_size", "Sequences per draft forward pass of a "
+                                     "round's propose call", _SIZES)
+        self.ttft = Histogram("specserve_ttft_seconds", "Time to the first generated token", _SECONDS)
+        self.inter_token = Histogram("specserve_inter_token_seconds", "Time between generated tokens", _SECONDS)
+        self.router_requests = Gauge("specserve_router_requests", "Generation requests at this router "
+                                     "replica", tag_keys=("state",))
+        self.adaptive_k = Gauge("specserve_adaptive_k", "The k this router's adaptive rounds use")
+        self.totals = Totals()
+
+    def round(self, k: int, drafts: int, verification, proposal, fallback: bool, rebuilt: dict[str, bool]) -> None:
+        kind = "fallback" if fallback else "speculative" if drafts else "target_only"
+        self.rounds.inc(tags={"kind": kind})
+        self.k.observe(k)
+        _add(self.drafted, drafts)
+        _add(self.accepted, verification.accepted)
+        self.totals.round(drafts, verification.accepted)
+        self.tokens_per_round.observe(len(verification.tokens))
+        self.verify_batch.observe(verification.batch_rows)
+        if proposal is not None:
+            self.draft_batch.observe(proposal.batch_rows)
+        for pool, happened in rebuilt.items():
+            if happened:
+                self.rebuilds.inc(tags={"pool": pool})
+
+    def tokens(self, count: int, first: bool, since_last_s: float) -> None:
+        """`count` tokens reached the client `since_last_s` after the previous ones (or after
+        the request's arrival, for the first)."""
+        if count == 0:
+            return
+        self.generated.inc(count)
+        self.totals.tokens(count)
+        if first:
+            self.ttft.observe(since_last_s)
+            return
+        for _ in range(count):   # a round's tokens arrive together: each waited its share
+            self.inter_token.observe(since_last_s / count)
+
+    def finished(self, status: int, error_type: str | None = None) -> None:
+        self.requests.inc(tags={"status": str(status)})
+        self.totals.request()
+        if error_type is not None:
+            self.errors.inc(tags={"type": error_type})
+
+    def gate(self, running: int, queued: int, adaptive_k: int) -> None:
+        self.router_requests.set(running, tags={"state": "running"})
+        self.router_requests.set(queued, tags={"state": "queued"})
+        self.adaptive_k.set(adaptive_k)
+
+
+def _add(counter: Counter, amount: int) -> None:
+    if amount > 0:          # Ray's counters refuse an increment of 0
+        counter.inc(amount)
