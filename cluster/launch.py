@@ -30,6 +30,8 @@ def start(config: ClusterConfig) -> None:
 
     address = os.environ.get("RAY_ADDRESS")
     print(f"joining the Ray cluster at {address}" if address else "starting Ray locally", flush=True)
+    if not address:   # replicas report their queue depth to the autoscaler every 2 s, not 10
+        os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "2")
     ray.init(address=address or None, logging_level="WARNING", log_to_driver=False)
     _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
     _check_placement(config)

@@ -27,7 +27,7 @@ from ray import serve
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.batcher import Batcher
 from replicas.engines import build_engine
-from replicas.metrics import PoolMetrics
+from replicas.metrics import GAUGE_REFRESH_S, PoolMetrics, refresh_every
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.shard_group import ShardGroupBroken
 
@@ -50,6 +50,8 @@ class _ModelReplica:
         batching = pool.batching
         self.batcher = Batcher(self._run_batch, lambda call: call.seq_id,
                                batching.max_batch_size, batching.wait_ms / 1000, batching.wait_for_active)
+        refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.state(self.batcher.active_sequences,
+                                                                  self.engine.describe()))
         logger.info("%s model ready", self.role)
 
     async def _run_batch(self, calls: list) -> list:

@@ -37,6 +37,7 @@ from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_t
                            unavailable, unsupported_media_type)
 from router.gate import GateFull, RequestGate, Slot
 from router.goodput import GoodputController
+from replicas.metrics import GAUGE_REFRESH_S, refresh_every
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import CHAT, COMPLETION, ResponseFormat, envelope, sse, usage
@@ -157,6 +158,8 @@ class Router:
                                     GoodputController(spec.min_k, spec.max_k, spec.k),
                                     lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.gate(self.gate.running, self.gate.queued,
+                                                                 self.loop.goodput.k))
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
 
     @app.get("/health")

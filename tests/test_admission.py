@@ -63,3 +63,32 @@ def test_max_tokens_default_cap_and_context_room(config, tokenizer):
     long_prompt = list(range(1, config.limits.context_length - 4))
     body = CompletionBody(model="specserve", prompt=long_prompt, max_tokens=100)
     assert admission.completion(body).max_tokens == 5  # what is left of the context
+
+
+@pytest.mark.parametrize("speculation, expected", [
+    (None, {"k": 3, "adaptive": True}),                  # the server chooses
+    ({"k": 5}, {"k": 5, "adaptive": False}),             # the request fixes k
+    ({"enabled": False}, {"k": 0, "adaptive": False}),   # or turns speculation off
+])
+def test_a_request_may_fix_k_or_turn_speculation_off(config, tokenizer, speculation, expected):
+    body = {"model": "specserve", "prompt": "x"} | ({"speculation": speculation} if speculation else {})
+    gen = Admission(config, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, json.dumps(body).encode()))
+    assert {"k": gen.k, "adaptive": gen.adaptive} == expected
+
+
+def test_a_request_cannot_turn_on_what_the_operator_turned_off(zoo, tokenizer):
+    off = cluster_config(zoo.target, zoo.drafts["perturbed"], speculation={"enabled": False})
+    for speculation in ({"enabled": True}, {"enabled": True, "k": 2}, {"k": 2}):
+        body = json.dumps({"model": "specserve", "prompt": "x", "speculation": speculation}).encode()
+        gen = Admission(off, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, body))
+        assert (gen.k, gen.adaptive) == (0, False), speculation
+
+
+def test_a_fixed_k_must_lie_within_the_operators_bounds(zoo, tokenizer):
+    bounded = cluster_config(zoo.target, zoo.drafts["perturbed"], speculation={"k": 3, "min_k": 2, "max_k": 6})
+    admission = Admission(bounded, tokenizer, len(tokenizer))
+    for k in (1, 7):
+        body = json.dumps({"model": "specserve", "prompt": "x", "speculation": {"k": k}}).encode()
+        with pytest.raises(OpenAIError) as refused:
+            admission.completion(parse_body(CompletionBody, body))
+        assert refused.value.status == 400 and refused.value.param == "speculation.k"

@@ -24,6 +24,8 @@ from tests.http_client import complete
 
 DASHBOARD = Path(__file__).parent.parent / "k8s" / "grafana-dashboard.json"
 SPECSERVE = Path(sys.executable).parent / "specserve"
+EXPECTED = ("ray_specserve_cache_evictions_total", "ray_specserve_queue_depth", "ray_specserve_cached_tokens",
+            "ray_specserve_router_requests", "ray_specserve_adaptive_k", "ray_specserve_batch_size_count")
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -59,9 +61,9 @@ def exported(apps, ray_serve, zoo):
         deadline = time.monotonic() + 90
         while True:
             series = scrape()
-            if (total(series, "ray_specserve_requests_total", 'status="404"') >= 1
+            if all(name in series for name in EXPECTED) and (
+                    total(series, "ray_specserve_requests_total", 'status="404"') >= 1
                     and total(series, "ray_specserve_cache_rebuilds_total") >= 1
-                    and total(series, "ray_specserve_cache_evictions_total") >= 1
                     and total(series, "ray_specserve_generated_tokens_total") >= 64) or time.monotonic() > deadline:
                 return series
             time.sleep(1)
