@@ -1,5 +1,6 @@
 """The `specserve` command: `up` starts the cluster, `config check` validates cluster.yaml,
-`bench` measures it against its baselines, `status` summarises a running one."""
+`bench` measures it against its baselines, `status` summarises a running one, `render`
+writes a Serve config and KubeRay manifests from it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from cluster.bench.run import add_parser as add_bench_parser
 from cluster.config import DEFAULT_CONFIG_FILE
 from cluster.launch import load_or_report, shutdown, start, wait_until_interrupted
+from cluster.render_cli import add_parser as add_render_parser
 from cluster.status import add_parser as add_status_parser
 
 
@@ -35,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_parser(commands)
     add_status_parser(commands)
+    add_render_parser(commands)
     return parser
 
 

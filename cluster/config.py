@@ -248,12 +248,32 @@ class LimitsConfig(Strict):
     _default_within_cap = _at_most("default_max_tokens", "max_tokens")
 
 
+class PodShape(Strict):
+    memory: str = Field("8Gi", pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)$", description="Memory of the pod (Kubernetes quantity).")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Kubernetes nodeSelector, e.g. the GPU type.")
+
+
+class KubernetesConfig(Strict):
+    """What the KubeRay manifests need beyond the pools (`specserve render k8s`)."""
+    name: str = Field("specserve", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="RayService name.")
+    image: str = Field("specserve:0.1.0", description="The image k8s/Dockerfile builds, pushed where the cluster pulls from.")
+    models_dir: str = Field("/app/models", description="Where the image holds the model folders.")
+    config_in_image: str = Field("/app/k8s/cluster.yaml", description="This file's path in the image (for the RayJob).")
+    service_type: Literal["LoadBalancer", "NodePort", "ClusterIP"] = Field(
+        "LoadBalancer", description="The Service in front of Serve's HTTP port.")
+    head: PodShape = Field(default_factory=PodShape)
+    router: PodShape = Field(default_factory=lambda: PodShape(memory="4Gi"))
+    draft: PodShape = Field(default_factory=lambda: PodShape(memory="16Gi"))
+    target: PodShape = Field(default_factory=lambda: PodShape(memory="64Gi"))
+
+
 class ClusterConfig(Strict):
     models: ModelsConfig
     pools: PoolsConfig = Field(default_factory=PoolsConfig)
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
 
 
 class ConfigError(Exception):

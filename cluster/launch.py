@@ -23,10 +23,8 @@ def load_or_report(path: str) -> ClusterConfig | None:
 
 
 def start(config: ClusterConfig) -> None:
+    """`specserve up`: Ray here (or at RAY_ADDRESS), then the application on it."""
     import ray
-    from ray import serve
-
-    from cluster.app import APP_NAME, build_app
 
     address = os.environ.get("RAY_ADDRESS")
     print(f"joining the Ray cluster at {address}" if address else "starting Ray locally", flush=True)
@@ -34,6 +32,18 @@ def start(config: ClusterConfig) -> None:
         os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "2")
     ray.init(address=address or None, logging_level="WARNING", log_to_driver=False)
     _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
+    url = deploy(config)
+    print(f"specserve is up: {url}/v1  (model id: {config.server.model_name}); Ctrl-C stops it",
+          flush=True)
+
+
+def deploy(config: ClusterConfig) -> str:
+    """Deploy the application on the connected Ray cluster and wait until it serves; its URL.
+    Raises SystemExit with the reason when it cannot."""
+    from ray import serve
+
+    from cluster.app import APP_NAME, build_app
+
     _check_placement(config)
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     # Not blocking: the app serves once the router and the target pool run; the draft pool is
@@ -42,8 +52,7 @@ def start(config: ClusterConfig) -> None:
     _wait_until_serving(APP_NAME)
     url = f"http://{_reachable_host(config.server.host)}:{config.server.port}"
     _wait_for_health(url)
-    print(f"specserve is up: {url}/v1  (model id: {config.server.model_name}); Ctrl-C stops it",
-          flush=True)
+    return url
 
 
 _REQUIRED_POOLS = ("router", "target")

@@ -1,0 +1,150 @@
+"""Everything deployable comes from one cluster.yaml: the committed KubeRay manifests are
+exactly what `specserve render k8s` makes of k8s/cluster.yaml; they validate against the
+KubeRay CRD schemas (unknown fields rejected), their serveConfigV2 against Ray Serve's schema
+and our own strict one, and their Service against Kubernetes' schema; the Serve config
+carries every deployment option that `specserve up` applies."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import ClusterConfig, load_config
+from cluster.kuberay import render_k8s
+from cluster.render import render_serve_config
+
+REPO = Path(__file__).resolve().parent.parent
+K8S_CONFIG = REPO / "k8s" / "cluster.yaml"
+CRDS = REPO.parent / "shared" / "kuberay"
+SPECSERVE = Path(sys.executable).parent / "specserve"
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, dict]:
+    return {name: yaml.safe_load((REPO / "k8s" / name).read_text()) for name in ("rayservice.yaml", "rayjob.yaml")}
+
+
+def test_the_committed_manifests_are_exactly_the_rendered_ones():
+    for name, text in render_k8s(K8S_CONFIG).items():
+        committed = (REPO / "k8s" / name).read_text()
+        assert committed == text, f"k8s/{name} differs from `specserve render k8s`: render again and commit"
+
+
+def test_a_change_to_the_cluster_config_shows_as_drift(tmp_path):
+    changed = yaml.safe_load(K8S_CONFIG.read_text())
+    changed["pools"]["target"]["tp_size"] = 4
+    (tmp_path / "k8s").mkdir()
+    (tmp_path / "k8s" / "cluster.yaml").write_text(yaml.safe_dump(changed))
+    (tmp_path / "models").symlink_to(REPO / "models")
+    rendered = render_k8s(tmp_path / "k8s" / "cluster.yaml")
+    body = lambda text: text.split("\n", 1)[1]     # noqa: E731 - the header names the source
+    assert body(rendered["rayservice.yaml"]) != body((REPO / "k8s" / "rayservice.yaml").read_text())
+    group = _group(yaml.safe_load(rendered["rayservice.yaml"]), "large-gpu")
+    assert group["rayStartParams"]["num-gpus"] == "4"
+
+
+def _strict(schema):
+    """The CRD schema with unknown fields rejected wherever it lists the known ones."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node \
+                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(schema)
+    return schema
+
+
+def _crd_schema(file: str) -> dict:
+    crd = yaml.safe_load((CRDS / file).read_text())
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return _strict(version["schema"]["openAPIV3Schema"])
+
+
+@pytest.mark.skipif(not CRDS.is_dir(), reason=f"the KubeRay CRDs are not here ({CRDS}): they are data kept "
+                                              f"beside the project, not in it")
+@pytest.mark.parametrize("name, crd", [("rayservice.yaml", "ray.io_rayservices.yaml"),
+                                       ("rayjob.yaml", "ray.io_rayjobs.yaml")])
+def test_the_manifests_validate_against_the_kuberay_crds(manifests, name, crd):
+    schema = _crd_schema(crd)
+    jsonschema.validate(manifests[name], schema)
+    broken = copy.deepcopy(manifests[name])
+    cluster = broken["spec"].get("rayClusterConfig") or broken["spec"]["rayClusterSpec"]
+    cluster["workerGroupSpecs"][0]["maxReplica"] = 3          # a typo must not pass
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+
+
+def test_serve_config_v2_validates_with_serve_and_with_our_own_schema(manifests):
+    serve = yaml.safe_load(manifests["rayservice.yaml"]["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve)
+    [app] = serve["applications"]
+    assert app["import_path"] == "cluster.serve_app:build"
+    cluster = ClusterConfig.model_validate(app["args"]["cluster"])      # strict: unknown keys fail
+    assert cluster.models.target.path == Path("/app/models/target")
+    by_name = {d["name"]: d for d in app["deployments"]}
+    assert set(by_name) == {"router", "draft", "target"}
+    assert by_name["target"]["placement_group_strategy"] == "STRICT_PACK"
+    assert by_name["target"]["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0, "large_gpu": 1.0}] * 2
+    assert by_name["draft"]["ray_actor_options"]["resources"] == {"small_gpu": 1.0}
+    assert by_name["draft"]["autoscaling_config"]["max_replicas"] == 4
+    assert "ConsistentHashRouter" in by_name["target"]["request_router_config"]["request_router_class"]
+    misspelt = copy.deepcopy(app["args"]["cluster"])
+    misspelt["pools"]["draft"]["max_replica"] = 3
+    with pytest.raises(Exception, match="max_replica"):
+        ClusterConfig.model_validate(misspelt)
+
+
+def test_worker_groups_carry_the_node_kinds_the_pools_ask_for(manifests):
+    for name in ("rayservice.yaml", "rayjob.yaml"):
+        document = manifests[name]
+        small, large = _group(document, "small-gpu"), _group(document, "large-gpu")
+        assert small["rayStartParams"]["resources"] == '"{\\"small_gpu\\":1}"'
+        assert large["rayStartParams"]["resources"] == '"{\\"large_gpu\\":2}"'     # one node: a whole TP group
+        assert large["rayStartParams"]["num-gpus"] == "2"
+        assert (large["minReplicas"], large["maxReplicas"]) == (1, 2)
+        cluster = document["spec"].get("rayClusterConfig") or document["spec"]["rayClusterSpec"]
+        assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+        assert cluster["enableInTreeAutoscaling"] is True
+
+
+def test_the_serve_service_is_a_valid_kubernetes_service(manifests):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    service = {"apiVersion": "v1", "kind": "Service", **manifests["rayservice.yaml"]["spec"]["serveService"]}
+    kubernetes_validate.validate(service, "1.30", strict=True)
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["ports"][0]["targetPort"] == 8000
+
+
+def test_the_serve_config_holds_what_specserve_up_applies(tmp_path):
+    text = render_serve_config(REPO / "cluster.yaml", models_dir="/srv/models", models_uri=None)
+    document = yaml.safe_load(text)
+    ServeDeploySchema.model_validate(document)
+    [app] = document["applications"]
+    assert app["args"]["cluster"]["models"]["target"]["path"] == "/srv/models/target"
+    router = {d["name"]: d for d in app["deployments"]}["router"]
+    config = load_config(REPO / "cluster.yaml")
+    gate = config.pools.router
+    assert router["max_ongoing_requests"] == gate.max_ongoing_requests + gate.max_queued_requests + 1024
+    uri = yaml.safe_load(render_serve_config(REPO / "cluster.yaml", None, "s3://bucket/models.zip"))
+    [app] = uri["applications"]
+    assert app["runtime_env"] == {"working_dir": "s3://bucket/models.zip"}
+    assert app["args"]["cluster"]["models"]["draft"]["path"] == "draft"
+
+
+def _group(document: dict, name: str) -> dict:
+    cluster = document["spec"].get("rayClusterConfig") or document["spec"]["rayClusterSpec"]
+    [group] = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == name]
+    return group
