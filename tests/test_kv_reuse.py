@@ -4,10 +4,11 @@ it rebuilds from the token ids in the call and gives the same tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from replicas.engines import DraftEngine, TargetEngine
 from replicas.kv_cache import KVCacheStore, SequenceKV
-from replicas.model_runner import common_prefix_length
+from replicas.model_runner import ExtendCall, ModelRunner, common_prefix_length
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY, SamplingParams
 from training.tiny_models import perturbed_copy, tiny_llama
@@ -101,3 +102,21 @@ def test_common_prefix_and_token_budget_lru():
     assert "b" not in store and "a" in store and "c" in store and store.cached_tokens == 8
     store.put("d", SequenceKV([4] * 11, []))     # longer than the whole budget: not kept
     assert "d" not in store and store.cached_tokens == 8
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "in-a-batch"])
+def test_a_call_that_diverges_well_before_its_end_reuses_only_the_common_prefix(models, batched):
+    # The cache holds PROMPT + [7, 8, 9, 10, 11]; the call keeps PROMPT + [7] and then goes
+    # elsewhere (as after rejected drafts, an overlapped window or a rebuilt cache): only the
+    # first len(PROMPT) + 1 positions may be reused. Reusing one more passes every other test.
+    target, _ = models
+    runner = ModelRunner(target, max_cached_tokens=1000)
+    runner.extend("s", PROMPT + [7, 8, 9, 10, 11], 1)
+    diverged = PROMPT + [7, 30, 31, 32, 33]
+    calls = [ExtendCall("s", diverged, 2)] + ([ExtendCall("other", [3, 4, 5, 6] * 4, 1)] if batched else [])
+    held = runner.extend_batch(calls)[0]
+    fresh = ModelRunner(target, max_cached_tokens=1000).extend("s", diverged, 2)
+    assert held.positions_fed == 4                      # 30..33: the four that differ
+    assert torch.allclose(held.logits, fresh.logits, atol=1e-5)
+    again = runner.extend("s", diverged, 2)             # the cache now holds the diverged tokens
+    assert again.positions_fed == 2 and torch.allclose(again.logits, fresh.logits, atol=1e-5)
