@@ -30,7 +30,8 @@ def start(config: ClusterConfig) -> None:
     print(f"joining the Ray cluster at {address}" if address else "starting Ray locally", flush=True)
     if not address:   # replicas report their queue depth to the autoscaler every 2 s, not 10
         os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "2")
-    ray.init(address=address or None, logging_level="WARNING", log_to_driver=False)
+    # "local": a new Ray here, even where `ray start` left a cluster address behind
+    ray.init(address=address or "local", logging_level="WARNING", log_to_driver=False)
     _stop_on_sigterm()  # after ray.init, which installs a SIGTERM handler of its own
     url = deploy(config)
     print(f"specserve is up: {url}/v1  (model id: {config.server.model_name}); Ctrl-C stops it",

@@ -82,7 +82,8 @@ def ray_serve():
     # time; metrics are exported every second for the same reason.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
-    ray.init(num_cpus=2, logging_level="WARNING", log_to_driver=False, _metrics_export_port=METRICS_PORT)
+    ray.init(address="local", num_cpus=2, logging_level="WARNING", log_to_driver=False,
+             _metrics_export_port=METRICS_PORT)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args(argv)
-    ray.init(logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", logging_level="ERROR", log_to_driver=False)
     try:
         caller = serve.run(Caller.bind(Echo.bind()), name="hops", route_prefix=None)
         print(json.dumps({"median_ms_per_call": caller.measure.remote(args.calls).result()}, indent=2))
