@@ -133,7 +133,7 @@ def measure(model, device: torch.device, sequences: list[int], positions: list[i
     return {"device": str(device), "dtype": str(next(model.parameters()).dtype),
             "weight_bytes": weight_bytes(model), "copy_bandwidth_bytes_s": round(bandwidth),
             "weight_gb": round(weight_bytes(model) / 1e9, 3), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-            "decode_floor_ms": round(floor_ms, 3), "context": context, "rows": rows}
+            "decode_floor_ms": round(floor_ms, 6), "context": context, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
