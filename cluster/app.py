@@ -22,8 +22,8 @@ CONTROL_HEADROOM = 1024
 
 def build_app(config: ClusterConfig) -> Application:
     pools = config.pools
-    draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(config.models.draft, pools.draft)
-    target = TargetPool.options(**_model_pool_options(pools.target)).bind(config.models.target, pools.target)
+    draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(config.models.draft, pools.draft, config.limits.context_length)
+    target = TargetPool.options(**_model_pool_options(pools.target)).bind(config.models.target, pools.target, config.limits.context_length)
     router = pools.router
     return Router.options(
         **_replica_count(router, router_autoscaling),

@@ -114,9 +114,10 @@ class _ScaledPool(Strict):
 
 class KVCacheConfig(Strict):
     max_tokens: int = Field(
-        32768, ge=1, description="Cached positions a replica keeps over all its sequences; beyond this the "
-                                 "least recently used sequences are evicted and rebuilt from their token ids "
-                                 "on their next call.")
+        32768, ge=1, description="Cached positions a replica keeps over all its sequences, in "
+                                 "max_tokens // limits.context_length slots of limits.context_length positions; "
+                                 "beyond this the least recently used sequences are evicted and rebuilt from "
+                                 "their token ids on their next call.")
 
 
 class BatchingConfig(Strict):

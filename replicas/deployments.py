@@ -39,10 +39,10 @@ class _ModelReplica:
     role: str
     batched_method: str          # the engine method that takes a list of calls
 
-    def __init__(self, spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig):
+    def __init__(self, spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int):
         logger.info("loading %s model from %s (%s, %s, tp_size %d)", self.role, spec.path, spec.dtype,
                     spec.device, pool.tp_size)
-        self.engine = build_engine(self.role, spec, pool)
+        self.engine = build_engine(self.role, spec, pool, max_seq_len)
         self.cost_profile = self.engine.cost_profile()   # also warms the engine up
         logger.info("%s forward ms by positions: %s", self.role, self.cost_profile)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")

@@ -1,64 +1,121 @@
-"""Per-sequence KV caches under a token budget.
+"""Which sequence's keys and values live in which slot of a replica's KV storage.
 
-A replica keeps, for each sequence it has seen, the keys and values of the token ids it last
-computed. The store is only ever a shortcut (every call carries the full token ids), so under
-memory pressure it simply forgets the least recently used sequences; their next call
-recomputes what was dropped and gets the same logits.
+The storage (replicas/kv_storage.py) is preallocated per layer as `slots` of `max_seq_len`
+positions; a sequence's cached keys and values sit in one slot at positions 0..len-1, where
+a batched forward pass reads them in place and writes its new positions next to them.
+Slot 0 is scratch: a forward pass writes its padding there, so no sequence's slot ever
+holds anything but its own tokens' keys and values.
+
+The store is only ever a shortcut (every call carries the full token ids), so under memory
+pressure it simply forgets the least recently used sequences; their next call recomputes
+what was dropped and gets the same logits. The budget is counted two ways, both bounding
+memory: cached positions (`max_tokens`) and slots (`max_tokens // max_seq_len`, at least 1).
+A batch that needs more slots than that grows the storage while it runs; the store then
+keeps no more sequences than the budget allows.
+
+Batches run over a range of adjacent slots (the batch's own plus a few holes that compute
+nothing anyone keeps), so `place` keeps a batch's slots close: new sequences take free
+slots next to the batch's others, and a batch spread too thin is moved together once.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
-# Per layer: (keys, values), each [1, kv_heads, len(tokens), head_dim].
-LayerKV = tuple[torch.Tensor, torch.Tensor]
+SCRATCH_SLOT = 0
 
 
 @dataclass
-class SequenceKV:
-    tokens: list[int]          # the ids whose keys/values `layers` hold, in order
-    layers: list[LayerKV]
+class CachedSequence:
+    tokens: list[int]      # the ids whose keys/values its slot holds, at positions 0..len-1
+    slot: int
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class SlotMove:
+    source: int
+    destination: int
+    length: int            # leading positions worth copying
+
+
+def tolerated_span(rows: int) -> int:
+    """The widest slot range a batch of `rows` runs over before it is moved together: the
+    holes compute dummy rows, cheap next to moving every row's cache."""
+    return rows + max(2, rows // 2)
+
+
 class KVCacheStore:
-    """LRU store of SequenceKV, holding at most `max_tokens` cached positions in all."""
+    """LRU index of cached sequences and their slots, under a position and a slot budget."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, max_seq_len: int):
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[str, SequenceKV] = OrderedDict()
-        self._tokens = 0
+        self.max_slots = max(1, max_tokens // max_seq_len)
+        self.capacity = 0                  # slots 1..capacity exist in the storage
         self.evictions = 0
+        self.moves = 0                     # sequences' caches moved to bring a batch together
+        self._entries: OrderedDict[str, CachedSequence] = OrderedDict()
+        self._free: list[int] = []         # a heap: the lowest free slot first
+        self._tokens = 0
 
-    def get(self, seq_id: str) -> SequenceKV | None:
+    def get(self, seq_id: str) -> CachedSequence | None:
         entry = self._entries.get(seq_id)
         if entry is not None:
             self._entries.move_to_end(seq_id)
         return entry
 
-    def put(self, seq_id: str, entry: SequenceKV) -> None:
-        """Store as most recently used, then evict the least recently used beyond the budget.
-        A sequence longer than the whole budget is not kept at all."""
-        self.drop(seq_id)
+    def place(self, seq_ids: list[str], reuse: dict[str, int]) -> tuple[dict[str, int], list[SlotMove]]:
+        """Slots for one forward pass over `seq_ids` (distinct), and the copies the storage
+        must make first. A sequence with reuse[seq_id] > 0 keeps its cached positions (moved
+        along when its slot moves); any other is dropped from the index and gets a slot to
+        compute in. Slots of the batch are taken out of the index until `commit`."""
+        batch = set(seq_ids)
+        slots: dict[str, int] = {}
+        for seq_id in seq_ids:
+            entry = self._entries.pop(seq_id, None)
+            if entry is None:
+                continue
+            self._tokens -= len(entry)
+            if reuse.get(seq_id, 0) > 0:
+                slots[seq_id] = entry.slot
+            else:
+                heapq.heappush(self._free, entry.slot)
+        for seq_id in seq_ids:
+            if seq_id not in slots:
+                slots[seq_id] = self._take_slot(near=slots.values(), batch=batch)
+        moves: list[SlotMove] = []
+        if max(slots.values()) - min(slots.values()) + 1 > tolerated_span(len(seq_ids)):
+            moves = self._gather(slots, reuse)
+        return slots, moves
+
+    def commit(self, seq_id: str, tokens: list[int], slot: int) -> None:
+        """The forward pass left `tokens`' keys/values in `slot`: index them as most recently
+        used, then evict the least recently used beyond the budgets. A sequence longer than
+        the whole position budget is not kept at all."""
+        entry = CachedSequence(list(tokens), slot)
         if len(entry) > self.max_tokens:
             self.evictions += 1
+            heapq.heappush(self._free, slot)
             return
         self._entries[seq_id] = entry
         self._tokens += len(entry)
-        while self._tokens > self.max_tokens:
+        while self._tokens > self.max_tokens or len(self._entries) > self.max_slots:
             _, evicted = self._entries.popitem(last=False)
-            self._tokens -= len(evicted)
+            self._release(evicted)
             self.evictions += 1
+
+    def abandon(self, slot: int) -> None:
+        """A slot `place` gave out whose forward pass failed: free, its contents unknown."""
+        heapq.heappush(self._free, slot)
 
     def drop(self, seq_id: str) -> None:
         entry = self._entries.pop(seq_id, None)
         if entry is not None:
-            self._tokens -= len(entry)
+            self._release(entry)
 
     @property
     def cached_tokens(self) -> int:
@@ -69,3 +126,67 @@ class KVCacheStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _release(self, entry: CachedSequence) -> None:
+        self._tokens -= len(entry)
+        heapq.heappush(self._free, entry.slot)
+
+    def _take_slot(self, near, batch: set[str]) -> int:
+        """A free slot, the nearest to the batch's others; else the least recently used
+        sequence's (never one of the batch's) once the slot budget is spent; else a new one."""
+        anchors = list(near)
+        if self._free:
+            best = min(self._free, key=lambda s: min((abs(s - a) for a in anchors), default=s))
+            self._free.remove(best)
+            heapq.heapify(self._free)
+            return best
+        if self.capacity >= self.max_slots:
+            victim = next((s for s in self._entries if s not in batch), None)
+            if victim is not None:
+                entry = self._entries.pop(victim)
+                self._tokens -= len(entry)
+                self.evictions += 1
+                return entry.slot
+        return self._new_slot()
+
+    def _new_slot(self) -> int:
+        self.capacity += 1
+        return self.capacity
+
+    def _gather(self, slots: dict[str, int], reuse: dict[str, int]) -> list[SlotMove]:
+        """Move the batch into the run of adjacent slots that already holds most of it.
+        Cached sequences in the way move to free or new slots outside it (or are evicted);
+        then the batch's outliers move in. Returns the copies, in the order to make them."""
+        width = len(slots)
+        self.capacity = max(self.capacity, width)
+        taken = set(slots.values())
+        start = max(range(1, self.capacity - width + 2),
+                    key=lambda a: sum(a <= s < a + width for s in taken))
+        run = set(range(start, start + width))
+        moves: list[SlotMove] = []
+        outside_free = [s for s in self._free if s not in run]
+        for seq_id, entry in list(self._entries.items()):
+            if entry.slot not in run:
+                continue
+            if outside_free or self.capacity < self.max_slots:
+                destination = outside_free.pop() if outside_free else self._new_slot()
+                moves.append(SlotMove(entry.slot, destination, len(entry)))
+                if destination in self._free:
+                    self._free.remove(destination)
+                entry.slot = destination
+            else:
+                del self._entries[seq_id]
+                self._tokens -= len(entry)
+                self.evictions += 1
+        self._free = [s for s in self._free if s not in run]
+        vacant = sorted(run - taken)
+        for seq_id, slot in slots.items():
+            if slot not in run:
+                destination = vacant.pop(0)
+                if reuse.get(seq_id, 0) > 0:
+                    moves.append(SlotMove(slot, destination, reuse[seq_id]))
+                self._free.append(slot)
+                slots[seq_id] = destination
+        heapq.heapify(self._free)
+        self.moves += len(moves)
+        return moves

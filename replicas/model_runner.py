@@ -5,16 +5,18 @@ runner reuses the longest common prefix of what it holds and what it is asked fo
 computes the rest. A replica that never saw the sequence, or evicted it, computes more and
 returns the same logits.
 
-Batching: the calls of one `extend_batch` run as one forward pass (or a few, see
-`_padding_groups`). Rows have different cached lengths P_b and new lengths N_b, so the batch
-is laid out per row as
+Caches live in preallocated slots (replicas/kv_cache.py, replicas/kv_storage.py): a
+sequence's keys and values stay where its forward passes wrote them, and a batch reads them
+in place. The calls of one `extend_batch` run as one forward pass (or a few, see
+`_padding_groups`) over the window of adjacent slots that holds their rows:
 
-    [ left padding | cached P_b ][ new N_b | right padding ]
-      <----------- P ----------> <------------ N --------->
+    row r (slot lo + r):  [ cached P_r ][ new N_r | right padding ]     holes: [ padding ]
+                          <-- in the slot --><------- N ------->
 
-with P = max P_b and N = max N_b. The attention mask hides the left padding; the right
-padding is invisible to real positions by causality, and its outputs are discarded. RoPE
-positions are per row (P_b + j), and cached keys already carry theirs.
+RoPE positions are per row (P_r + j). Right padding and holes write to the scratch slot and
+their outputs are discarded; by causality no real position sees them. Only the positions
+whose logits a call wants go through the output layer, and the logits stay on the model's
+device: the engines take from them only what the acceptance rule needs.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from replicas.kv_cache import KVCacheStore, SequenceKV
+from replicas.kv_cache import KVCacheStore
+from replicas.kv_storage import BatchWindow, SlotStorage, layout_rows
 
 # Rows are grouped so that padded new positions are at most this multiple of the real ones:
 # one long prompt must not make every short verify in its batch pay for its length.
@@ -40,21 +43,10 @@ class ExtendCall:
 
 @dataclass(frozen=True)
 class Extension:
-    logits: torch.Tensor   # [num_logits, V], float32, for the last num_logits positions
+    logits: torch.Tensor   # [num_logits, V], float32, on the model's device, for the last num_logits positions
     positions_fed: int     # positions computed for this sequence
     batch_rows: int        # sequences in the forward pass that computed it
     batch_positions: int   # positions that forward pass computed, over all its sequences
-
-
-@dataclass(frozen=True)
-class _Row:
-    call: ExtendCall
-    past: SequenceKV | None
-    reuse: int             # cached positions reused: the row's P_b
-
-    @property
-    def new_ids(self) -> list[int]:
-        return self.call.tokens[self.reuse:]
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -68,12 +60,15 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, max_cached_tokens: int):
+    def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None):
+        _check_plain_output_layer(model.config)
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.pad_id = model.config.pad_token_id or 0
-        self.caches = KVCacheStore(max_cached_tokens)
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        self.caches = KVCacheStore(max_cached_tokens, self.max_seq_len)
+        self.storage = SlotStorage(self.max_seq_len)
 
     def extend(self, seq_id: str, tokens: list[int], num_logits: int) -> Extension:
         """Make seq_id's cache cover `tokens`; return logits of its last num_logits positions.
@@ -82,98 +77,108 @@ class ModelRunner:
 
     @torch.inference_mode()
     def extend_batch(self, calls: list[ExtendCall]) -> list[Extension]:
-        rows = [self._plan(call) for call in calls]
+        for call in calls:
+            if not 1 <= call.num_logits <= len(call.tokens) <= self.max_seq_len:
+                raise ValueError(f"a call of {len(call.tokens)} tokens wanting {call.num_logits} logits does not fit "
+                                 f"this model's {self.max_seq_len} positions")
         results: list[Extension | None] = [None] * len(calls)
-        for group in _padding_groups(rows):
-            try:
-                extensions = self._forward([rows[i] for i in group])
-            except BaseException:
-                for row in rows:  # a half-updated cache must never be reused
-                    self.caches.drop(row.call.seq_id)
-                raise
-            for i, extension in zip(group, extensions):
-                results[i] = extension
+        for wave in _distinct_sequences(calls):
+            planned = [self._reusable(calls[i]) for i in wave]
+            for group in _padding_groups([len(calls[i].tokens) - p for i, p in zip(wave, planned)]):
+                indices = [wave[g] for g in group]
+                for i, extension in zip(indices, self._run([calls[i] for i in indices])):
+                    results[i] = extension
         return results
 
     def release(self, seq_id: str) -> None:
         self.caches.drop(seq_id)
 
-    def _plan(self, call: ExtendCall) -> _Row:
-        past = self.caches.get(call.seq_id)
-        if past is None:
-            return _Row(call, None, 0)
-        reuse = min(common_prefix_length(past.tokens, call.tokens), len(call.tokens) - call.num_logits)
-        return _Row(call, past if reuse > 0 else None, max(reuse, 0))
+    def cached(self, seq_id: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The sequence's cached keys and values per layer, [1, kv_heads, len, head_dim] views."""
+        entry = self.caches.get(seq_id)
+        return None if entry is None else self.storage.sequence(entry.slot, len(entry))
 
-    def _forward(self, rows: list[_Row]) -> list[Extension]:
-        P = max(row.reuse for row in rows)
-        N = max(len(row.new_ids) for row in rows)
-        input_ids = torch.full((len(rows), N), self.pad_id, dtype=torch.long)       # [B, N]
-        positions = torch.empty((len(rows), N), dtype=torch.long)                   # [B, N]
-        for b, row in enumerate(rows):
-            input_ids[b, :len(row.new_ids)] = torch.tensor(row.new_ids)
-            positions[b] = torch.arange(row.reuse, row.reuse + N)
-        padded = any(row.reuse != P or len(row.new_ids) != N for row in rows)
-        output = self.model(input_ids=input_ids.to(self.device), position_ids=positions.to(self.device),
-                            attention_mask=_attention_mask(rows, P, N).to(self.device) if padded else None,
-                            cache=self._batched_past(rows, P), use_cache=True)
-        logits = output.logits.float().cpu()                                        # [B, N, V]
-        extensions, batch_positions = [], sum(len(row.new_ids) for row in rows)
-        for b, row in enumerate(rows):
-            fed, wanted = len(row.new_ids), row.call.num_logits
-            self.caches.put(row.call.seq_id, SequenceKV(list(row.call.tokens), _row_kv(output.cache, b, P - row.reuse, P + fed)))
-            extensions.append(Extension(logits[b, fed - wanted:fed], positions_fed=fed, batch_rows=len(rows),
-                                        batch_positions=batch_positions))
+    def _reusable(self, call: ExtendCall) -> int:
+        """Cached positions the call can keep: its common prefix with the cache, leaving at
+        least the positions whose logits it wants to be computed."""
+        entry = self.caches.get(call.seq_id)
+        if entry is None:
+            return 0
+        return max(0, min(common_prefix_length(entry.tokens, call.tokens), len(call.tokens) - call.num_logits))
+
+    def _run(self, calls: list[ExtendCall]) -> list[Extension]:
+        reuse = {call.seq_id: self._reusable(call) for call in calls}   # again: an earlier group may have evicted
+        slots, moves = self.caches.place([call.seq_id for call in calls], reuse)
+        try:
+            self.storage.ensure_capacity(self.caches.capacity)
+            self.storage.move(moves)
+            extensions = self._forward(calls, reuse, slots)
+        except BaseException:
+            for slot in slots.values():   # a half-written slot must never be reused
+                self.caches.abandon(slot)
+            raise
+        for call in calls:
+            self.caches.commit(call.seq_id, call.tokens, slots[call.seq_id])
         return extensions
 
-    def _batched_past(self, rows: list[_Row], P: int) -> DynamicCache:
-        """The rows' reused keys/values, left-padded to P: per layer [B, kv_heads, P, head_dim]."""
-        if P == 0:
-            return DynamicCache(config=self.model.config)
-        template = next(row.past for row in rows if row.past is not None).layers
-        layers = []
-        for index, (keys, values) in enumerate(template):
-            shape = (len(rows), keys.shape[1], P, keys.shape[3])
-            if len(rows) == 1:
-                layers.append((keys[:, :, :P], values[:, :, :P]))
-                continue
-            batch_keys, batch_values = keys.new_zeros(shape), values.new_zeros(shape)
-            for b, row in enumerate(rows):
-                if row.reuse:
-                    row_keys, row_values = row.past.layers[index]
-                    batch_keys[b, :, P - row.reuse:] = row_keys[0, :, :row.reuse]
-                    batch_values[b, :, P - row.reuse:] = row_values[0, :, :row.reuse]
-            layers.append((batch_keys, batch_values))
-        return DynamicCache(ddp_cache_data=layers, config=self.model.config)
+    def _forward(self, calls: list[ExtendCall], reuse: dict[str, int], slots: dict[str, int]) -> list[Extension]:
+        lo = min(slots.values())
+        rows = max(slots.values()) - lo + 1
+        cached, new = [0] * rows, [0] * rows                     # P_r, N_r; holes keep 0, 0
+        for call in calls:
+            r = slots[call.seq_id] - lo
+            cached[r], new[r] = reuse[call.seq_id], len(call.tokens) - reuse[call.seq_id]
+        input_ids = torch.full((rows, max(new)), self.pad_id, dtype=torch.long)          # [R, N]
+        for call in calls:
+            r = slots[call.seq_id] - lo
+            input_ids[r, :new[r]] = torch.tensor(call.tokens[cached[r]:])
+        layout, positions, mask = layout_rows(lo, cached, new, self.device)
+        hidden = self.model.get_decoder()(input_ids=input_ids.to(self.device), position_ids=positions,
+                                          attention_mask=mask, cache=BatchWindow(self.storage, layout),
+                                          use_cache=True).last_hidden_state         # [R, N, hidden]
+        wanted_rows, wanted_columns = [], []
+        for call in calls:
+            r = slots[call.seq_id] - lo
+            wanted_rows += [r] * call.num_logits
+            wanted_columns += range(new[r] - call.num_logits, new[r])
+        picked = hidden[torch.tensor(wanted_rows, device=self.device), torch.tensor(wanted_columns, device=self.device)]
+        logits = self.model.get_output_embeddings()(picked).float()                  # [sum num_logits, V]
+        batch_positions = sum(len(call.tokens) - reuse[call.seq_id] for call in calls)
+        per_call = logits.split([call.num_logits for call in calls])
+        return [Extension(rows_logits, positions_fed=len(call.tokens) - reuse[call.seq_id], batch_rows=len(calls),
+                          batch_positions=batch_positions) for call, rows_logits in zip(calls, per_call)]
 
 
-def _attention_mask(rows: list[_Row], P: int, N: int) -> torch.Tensor:
-    """[B, 1, N, P + N] bool, True where a query may attend: causal, minus left padding."""
-    query = torch.arange(N)[:, None]                         # [N, 1]
-    key = torch.arange(P + N)[None, :]                       # [1, P + N]
-    causal = key <= P + query                                # [N, P + N]
-    first_real = torch.tensor([P - row.reuse for row in rows])[:, None, None]  # [B, 1, 1]
-    return (causal[None] & (key[None] >= first_real))[:, None]
+def _check_plain_output_layer(config) -> None:
+    """The runner applies the output layer itself, to the wanted positions only: a model that
+    scales or caps its logits after it would get different ones."""
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"models with {name} are not supported by the Hugging Face engine")
 
 
-def _row_kv(cache: DynamicCache, b: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Row b's keys/values over columns [start, end), as its own tensors [1, kv_heads, end - start, head_dim]."""
-    layers = []
-    for layer in cache.layers:
-        keys, values = layer.keys[b:b + 1, :, start:end], layer.values[b:b + 1, :, start:end]
-        whole = layer.keys.shape[0] == 1 and start == 0 and end == layer.keys.shape[2]
-        layers.append((keys, values) if whole else (keys.clone(), values.clone()))
-    return layers
+def _distinct_sequences(calls: list[ExtendCall]) -> list[list[int]]:
+    """Indices of calls in waves that each hold a sequence once: two calls of one sequence
+    would share its slot, so the later one runs after the earlier one."""
+    waves: list[list[int]] = []
+    seen: list[set[str]] = []
+    for i, call in enumerate(calls):
+        wave = next((w for w, ids in enumerate(seen) if call.seq_id not in ids), len(waves))
+        if wave == len(waves):
+            waves.append([]), seen.append(set())
+        waves[wave].append(i)
+        seen[wave].add(call.seq_id)
+    return waves
 
 
-def _padding_groups(rows: list[_Row]) -> list[list[int]]:
+def _padding_groups(new_lengths: list[int]) -> list[list[int]]:
     """Indices of rows, grouped by new length so that padding stays within _MAX_PADDING_FACTOR."""
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i].new_ids))
+    order = sorted(range(len(new_lengths)), key=lambda i: new_lengths[i])
     groups: list[list[int]] = []
     current: list[int] = []
     real = 0
     for i in order:
-        n = len(rows[i].new_ids)
+        n = new_lengths[i]
         if current and (len(current) + 1) * n > _MAX_PADDING_FACTOR * (real + n):
             groups.append(current)
             current, real = [], 0

@@ -66,7 +66,7 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """probs [V] -> one token id."""
     check_finite(probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def check_finite(probs: torch.Tensor) -> None:
@@ -75,5 +75,7 @@ def check_finite(probs: torch.Tensor) -> None:
         raise NonFiniteDistribution("the distribution to sample from is not finite or has no mass")
 
 
-def make_generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed % (2**63))
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on the device whose tensors it samples (CPU and CUDA streams differ for
+    one seed; each is as random as the other)."""
+    return torch.Generator(device=device).manual_seed(seed % (2**63))

@@ -54,6 +54,7 @@ class ShardPlan:
     max_cached_tokens: int
     world: int
     init_method: str             # tcp://host:port of rank 0's rendezvous
+    max_seq_len: int | None = None   # every KV slot's length (None: the model's positions)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class Shard:
         self.plan, self.rank = plan, rank
         self.device = _shard_device(plan.spec, rank)
         model = load_causal_lm(plan.spec, device=torch.device("cpu"))
-        self.runner = ModelRunner(shard_model(model, rank, plan.world).to(self.device), plan.max_cached_tokens)
+        self.runner = ModelRunner(shard_model(model, rank, plan.world).to(self.device), plan.max_cached_tokens,
+                                  plan.max_seq_len)
         self.channel = None
 
     def join(self) -> None:
@@ -115,11 +117,19 @@ class ShardedRunner:
         return self.shard.runner.vocab_size
 
     @property
+    def device(self) -> torch.device:
+        return self.shard.runner.device
+
+    @property
     def tp_size(self) -> int:
         return self.shard.plan.world
 
     def extend_batch(self, calls: list[ExtendCall]) -> list[Extension]:
         return self._command("extend_batch", calls)
+
+    def cached(self, seq_id: str):
+        """Rank 0's cached keys and values of the sequence (its own heads)."""
+        return self.shard.runner.cached(seq_id)
 
     def release(self, seq_id: str) -> None:
         self._command("release", seq_id)
@@ -182,7 +192,7 @@ def _rendezvous(host: str) -> str:
 
 # ---------------------------------------------------------------- launching the followers
 
-def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int, world: int,
+def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int, max_seq_len: int, world: int,
                               shard_options: dict) -> ShardedRunner:
     """From inside a Ray actor (a Serve replica) that holds bundle 0 of its placement group:
     followers as Ray actors in bundles 1..world-1, each with `shard_options` (num_cpus,
@@ -190,7 +200,7 @@ def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int, world: in
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous(ray.util.get_node_ip_address()))
+    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous(ray.util.get_node_ip_address()), max_seq_len)
     group = ray.util.get_current_placement_group()
     if group is None:
         raise RuntimeError(f"tp_size {world} needs the replica to run in a placement group of {world} bundles")
@@ -230,10 +240,10 @@ class _RayFollower:
             os._exit(0)    # the group is over: so is this process
 
 
-def launch_local(spec: ModelSpec, max_cached_tokens: int, world: int) -> ShardedRunner:
+def launch_local(spec: ModelSpec, max_cached_tokens: int, world: int, max_seq_len: int | None = None) -> ShardedRunner:
     """Followers as local processes of this machine; this process is rank 0."""
     context = torch.multiprocessing.get_context("spawn")
-    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous("127.0.0.1"))
+    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous("127.0.0.1"), max_seq_len)
     ready = context.Queue()
     processes = [context.Process(target=_follow_in_process, args=(plan, rank, ready), daemon=True)
                  for rank in range(1, world)]

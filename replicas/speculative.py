@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.sampling import SamplingParams, sample, warped_probs
+from replicas.sampling import NonFiniteDistribution, SamplingParams, warped_probs
 
 
 @dataclass(frozen=True)
@@ -39,45 +39,69 @@ def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) for p, q [V]. Mass exists whenever a rejection happened (p(x) < q(x)
-    for some x forces p(y) > q(y) elsewhere); a float underflow falls back to p."""
+    """norm(max(0, p - q)) for p, q [..., V]. Mass exists whenever a rejection happened (p(x) <
+    q(x) for some x forces p(y) > q(y) elsewhere); a float underflow falls back to p."""
     residual = torch.clamp(p - q, min=0.0)
-    total = residual.sum()
-    return residual / total if total > 0 else p
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(mass.dtype).tiny), p)
 
 
-def greedy_round(target_logits: torch.Tensor, drafts: list[int]) -> RoundOutcome:
-    """target_logits [k+1, V]; drafts: k ids. Keep drafts while they match the argmax."""
-    choices = target_logits.argmax(dim=-1).tolist()  # [k+1]
+def greedy_round(choices: list[int], drafts: list[int]) -> RoundOutcome:
+    """choices: the target's argmax at each of the k + 1 positions; drafts: k ids. Keep
+    drafts while they match the argmax."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
         accepted += 1
     return RoundOutcome(accepted, drafts[:accepted] + [choices[accepted]])
 
 
-def sampled_round(
-    target_logits: torch.Tensor,
-    drafts: list[int],
-    draft_probs: torch.Tensor | None,
-    params: SamplingParams,
-    generator: torch.Generator,
-) -> RoundOutcome:
-    """target_logits [k+1, V]; drafts: k ids; draft_probs q [k, V], or None when the draft
-    proposed greedily (q one-hot at each draft)."""
-    p = warped_probs(target_logits, params)  # [k+1, V]
-    q = draft_probs if draft_probs is not None else _one_hot(drafts, p.shape[-1])  # [k, V]
-    for i, token in enumerate(drafts):
-        u = torch.rand((), generator=generator)
-        if u < acceptance_probability(p[i, token], q[i, token]):
-            continue
-        recovered = sample(residual_distribution(p[i], q[i]), generator)
-        return RoundOutcome(i, drafts[:i] + [recovered])
-    bonus = sample(p[len(drafts)], generator)
-    return RoundOutcome(len(drafts), drafts + [bonus])
+def sampled_rounds(
+    target_logits: list[torch.Tensor],
+    drafts: list[list[int]],
+    draft_probs: list[torch.Tensor | None],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> list[RoundOutcome | NonFiniteDistribution]:
+    """The rule for B sequences at once, on the logits' device. Row b: target_logits[b]
+    [k_b + 1, V], drafts[b] k_b ids, draft_probs[b] q [k_b, V] or None when the draft proposed
+    greedily (q one-hot at each draft), generators[b] on the logits' device. Rows are padded
+    to K = max k_b; only the accepted counts and one sampled token per row leave the device.
+    A row whose distribution to sample from is not finite gets NonFiniteDistribution."""
+    rows, K = len(drafts), max(len(d) for d in drafts)
+    device = target_logits[0].device
+    lengths = torch.tensor([len(d) for d in drafts], device=device)                     # [B]
+    p = torch.stack([_padded(warped_probs(logits, params[b]), K + 1) for b, logits in enumerate(target_logits)])
+    q = torch.stack([_padded(draft_probs[b].to(device) if draft_probs[b] is not None
+                             else _one_hot(drafts[b], p.shape[-1], device), K) for b in range(rows)])
+    ids = torch.tensor([d + [0] * (K - len(d)) for d in drafts], device=device)        # [B, K]
+    real = torch.arange(K, device=device)[None] < lengths[:, None]                     # [B, K]
+    # Each row draws its own k_b uniforms, so its outcome does not depend on its batch.
+    u = torch.stack([torch.cat([torch.rand(len(d), generator=g, device=device), torch.ones(K - len(d), device=device)])
+                     for d, g in zip(drafts, generators)])                             # [B, K]
+    p_x = p[:, :K].gather(-1, ids[..., None])[..., 0]                                  # [B, K]
+    q_x = torch.where(real, q.gather(-1, ids[..., None])[..., 0], 1.0)                 # [B, K]
+    kept = (u < acceptance_probability(p_x, q_x)) & real                               # [B, K]
+    accepted = kept.long().cumprod(-1).sum(-1)                                         # [B]: n
+    rejected = accepted < lengths
+    row = torch.arange(rows, device=device)
+    p_next = p[row, accepted]                                                          # [B, V]
+    q_next = q[row, accepted.clamp(max=K - 1)] if K else torch.zeros_like(p_next)
+    follow = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)   # [B, V]
+    broken = ~(torch.isfinite(follow).all(-1) & (follow >= 0).all(-1) & (follow.sum(-1) > 0))
+    follow = torch.where(broken[:, None], torch.ones_like(follow), follow)
+    token = torch.cat([torch.multinomial(follow[b], 1, generator=generators[b]) for b in range(rows)])
+    counts, tokens, failed = torch.stack([accepted, token, broken.long()]).tolist()
+    return [NonFiniteDistribution("the distribution to sample from is not finite or has no mass") if failed[b]
+            else RoundOutcome(counts[b], drafts[b][:counts[b]] + [tokens[b]]) for b in range(rows)]
 
 
-def _one_hot(tokens: list[int], vocab: int) -> torch.Tensor:
-    q = torch.zeros(len(tokens), vocab)
+def _padded(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """[n, V] -> [length, V], zero rows appended."""
+    return torch.cat([rows, rows.new_zeros(length - rows.shape[0], rows.shape[1])]) if rows.shape[0] < length else rows
+
+
+def _one_hot(tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    q = torch.zeros(len(tokens), vocab, device=device)
     if tokens:
         q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
     return q

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replicas.engines import DraftEngine, TargetEngine
-from replicas.kv_cache import KVCacheStore, SequenceKV
+from replicas.kv_cache import KVCacheStore
 from replicas.model_runner import ExtendCall, ModelRunner, common_prefix_length
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY, SamplingParams
@@ -95,14 +95,17 @@ def test_common_prefix_and_token_budget_lru():
     assert common_prefix_length([1, 2, 3], [1, 2, 3, 4]) == 3
     assert common_prefix_length([1, 2, 3], [1, 9, 3]) == 1
     assert common_prefix_length([], [1]) == 0
-    store = KVCacheStore(max_tokens=10)
-    store.put("a", SequenceKV([1] * 4, [])), store.put("b", SequenceKV([2] * 4, []))
+    store = KVCacheStore(max_tokens=10, max_seq_len=2)          # 5 slots
+    for seq_id, token in (("a", 1), ("b", 2)):
+        slots, _ = store.place([seq_id], {})
+        store.commit(seq_id, [token] * 4, slots[seq_id])
     store.get("a")                               # "b" is now least recently used
-    store.put("c", SequenceKV([3] * 4, []))      # 12 > 10 tokens: "b" goes
+    slots, _ = store.place(["c"], {})
+    store.commit("c", [3] * 4, slots["c"])       # 12 > 10 tokens: "b" goes
     assert "b" not in store and "a" in store and "c" in store and store.cached_tokens == 8
-    store.put("d", SequenceKV([4] * 11, []))     # longer than the whole budget: not kept
+    slots, _ = store.place(["d"], {})
+    store.commit("d", [4] * 11, slots["d"])      # longer than the whole budget: not kept
     assert "d" not in store and store.cached_tokens == 8
-
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "in-a-batch"])
 def test_a_call_that_diverges_well_before_its_end_reuses_only_the_common_prefix(models, batched):
@@ -110,7 +113,7 @@ def test_a_call_that_diverges_well_before_its_end_reuses_only_the_common_prefix(
     # elsewhere (as after rejected drafts, an overlapped window or a rebuilt cache): only the
     # first len(PROMPT) + 1 positions may be reused. Reusing one more passes every other test.
     target, _ = models
-    runner = ModelRunner(target, max_cached_tokens=1000)
+    runner = ModelRunner(target, max_cached_tokens=1000, max_seq_len=64)   # room for 15 sequences
     runner.extend("s", PROMPT + [7, 8, 9, 10, 11], 1)
     diverged = PROMPT + [7, 30, 31, 32, 33]
     calls = [ExtendCall("s", diverged, 2)] + ([ExtendCall("other", [3, 4, 5, 6] * 4, 1)] if batched else [])

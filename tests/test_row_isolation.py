@@ -75,7 +75,8 @@ def test_a_malformed_row_fails_alone():
     requests = [VerifyRequest("bad", CLEAN[0], [11, 12], narrow_q, SAMPLED, 0),
                 VerifyRequest("good", CLEAN[1], [31, 32], None, GREEDY, 0)]
     bad, good = TargetEngine.on_model(model, max_cached_tokens=1000).verify(requests)
-    assert isinstance(bad, RowError) and bad.kind == "IndexError" and bad.seq_id == "bad"
+    assert isinstance(bad, RowError) and bad.kind == "ValueError" and bad.seq_id == "bad"
+    assert "draft_probs of shape (2, 4) for 2 drafts over 64 tokens" in bad.message
     alone = fresh_verify(model, requests[1])
     assert (good.tokens, good.accepted) == (alone.tokens, alone.accepted)
 

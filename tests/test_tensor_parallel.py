@@ -52,8 +52,8 @@ def test_each_shard_caches_its_own_heads(runners, zoo):
     sharded, single = runners
     sharded.extend_batch([ExtendCall("heads", [1, 2, 3, 4], 1)])
     single.extend_batch([ExtendCall("heads", [1, 2, 3, 4], 1)])
-    sharded_keys = sharded.caches.get("heads").layers[0][0]     # [1, kv_heads / 2, 4, head_dim]
-    whole_keys = single.caches.get("heads").layers[0][0]        # [1, kv_heads, 4, head_dim]
+    sharded_keys = sharded.cached("heads")[0][0]     # [1, kv_heads / 2, 4, head_dim]
+    whole_keys = single.cached("heads")[0][0]        # [1, kv_heads, 4, head_dim]
     assert sharded_keys.shape[1] * 2 == whole_keys.shape[1]
     assert torch.allclose(sharded_keys, whole_keys[:, :sharded_keys.shape[1]], atol=TOLERANCE)
     sharded.release("heads")

@@ -101,7 +101,8 @@ def engine_ms(model, sequences: int, positions: int, context: int, repeats: int,
     its cached context (the call keeps the cache, so every run has the same shape)."""
     from replicas.model_runner import ExtendCall, ModelRunner
 
-    runner = ModelRunner(model, max_cached_tokens=sequences * (context + positions) + 1)
+    length = context + positions
+    runner = ModelRunner(model, max_cached_tokens=sequences * length, max_seq_len=length)
     vocab = model.config.vocab_size
     calls = [ExtendCall(f"s{b}", torch.randint(1, vocab, (context + positions,)).tolist(), positions)
              for b in range(sequences)]

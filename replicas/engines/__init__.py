@@ -47,18 +47,20 @@ class Verifier(_Engine, Protocol):
 
 
 def build_engine(role: Literal["draft", "target"], spec: ModelSpec,
-                 pool: DraftPoolConfig | TargetPoolConfig) -> Proposer | Verifier:
-    runner = _runner(spec, pool)
+                 pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int) -> Proposer | Verifier:
+    """max_seq_len: the longest sequence served (limits.context_length), the length of every
+    KV slot (replicas/kv_cache.py)."""
+    runner = _runner(spec, pool, max_seq_len)
     return DraftEngine(runner) if role == "draft" else TargetEngine(runner)
 
 
-def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig) -> Runner:
+def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int) -> Runner:
     if pool.tp_size == 1:
         from replicas.loading import load_causal_lm
         from replicas.model_runner import ModelRunner
 
-        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens)
+        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len)
     from replicas.shard_group import launch_in_placement_group
 
-    return launch_in_placement_group(spec, pool.kv_cache.max_tokens, pool.tp_size,
+    return launch_in_placement_group(spec, pool.kv_cache.max_tokens, max_seq_len, pool.tp_size,
                                      pool.resources.ray_actor_options())

@@ -20,12 +20,13 @@ from replicas.kv_cache import KVCacheStore
 from replicas.model_runner import ExtendCall, Extension, ModelRunner
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.sampling import NonFiniteDistribution, make_generator, sample, warped_probs
-from replicas.speculative import greedy_round, sampled_round
+from replicas.speculative import greedy_round, sampled_rounds
 
 
 class Runner(Protocol):
     caches: KVCacheStore
     vocab_size: int
+    device: torch.device
 
     def extend_batch(self, calls: list[ExtendCall]) -> list[Extension]: ...
 
@@ -37,9 +38,9 @@ class _Engine:
         self.runner = runner
 
     @classmethod
-    def on_model(cls, model: PreTrainedModel, max_cached_tokens: int):
+    def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None):
         """The engine over one in-process model (tests, offline measurement)."""
-        return cls(ModelRunner(model, max_cached_tokens))
+        return cls(ModelRunner(model, max_cached_tokens, max_seq_len))
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -50,7 +51,8 @@ class _Engine:
         return {"engine": "huggingface", "tp_size": len(shards) if shards else 1,
                 "shards": [vars(s) for s in shards] if shards else None,
                 "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
-                "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions}
+                "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
+                "kv_slots": caches.capacity, "max_kv_slots": caches.max_slots, "slot_moves": caches.moves}
 
     def holds(self, seq_id: str) -> bool:
         return seq_id in self.runner.caches
@@ -90,64 +92,110 @@ class DraftEngine(_Engine):
         rows: list[list[torch.Tensor]] = [[] for _ in requests]
         failures: dict[int, RowError] = {}
         fed, batch_rows = [0] * len(requests), []
-        generators = [make_generator(r.seed) for r in requests]
+        generators = [make_generator(r.seed, self.runner.device) for r in requests]
         for step in range(max(r.k for r in requests)):
             active = [i for i, r in enumerate(requests) if r.k > step and i not in failures]
             if not active:
                 break
             extensions = self.runner.extend_batch(
                 [ExtendCall(requests[i].seq_id, tokens[i], 1) for i in active])
+            chosen = self._choose(active, extensions, requests, generators, rows, failures)
             for i, extension in zip(active, extensions):
                 fed[i] += extension.positions_fed
-                try:
-                    token = self._choose(extension.logits, requests[i], generators[i], rows[i])
-                except Exception as exc:  # noqa: BLE001 - this row alone fails
-                    failures[i] = RowError.of(requests[i].seq_id, exc)
-                    continue
-                drafts[i].append(token)
-                tokens[i].append(token)
+                if i in chosen:
+                    drafts[i].append(chosen[i])
+                    tokens[i].append(chosen[i])
             batch_rows.append(len(active))
         model_ms = (time.perf_counter() - started) * 1000
         mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
-        return [failures.get(i) or Proposal(drafts[i], torch.stack(rows[i]) if rows[i] else None,
+        return [failures.get(i) or Proposal(drafts[i], torch.stack(rows[i]).cpu() if rows[i] else None,
                                             fed[i], mean_rows, model_ms, steps=len(batch_rows))
                 for i in range(len(requests))]
 
     @staticmethod
-    def _choose(logits: torch.Tensor, request: ProposeRequest, generator, rows: list) -> int:
-        if request.sampling.greedy:
-            return int(logits[0].argmax())
-        q = warped_probs(logits, request.sampling)[0]  # [V]
-        rows.append(q)
-        return sample(q, generator)
+    def _choose(active: list[int], extensions: list[Extension], requests: list[ProposeRequest], generators,
+                rows: list[list[torch.Tensor]], failures: dict[int, RowError]) -> dict[int, int]:
+        """This step's draft token of each active request: the argmax of every greedy row in
+        one transfer; a sample from q for the others (q kept for the target's rule)."""
+        greedy = [(i, e) for i, e in zip(active, extensions) if requests[i].sampling.greedy]
+        chosen = {i: choices[0] for (i, _), choices in zip(greedy, _argmax_rows([e.logits for _, e in greedy]))}
+        for i, extension in zip(active, extensions):
+            if requests[i].sampling.greedy:
+                continue
+            try:
+                q = warped_probs(extension.logits, requests[i].sampling)[0]  # [V]
+                chosen[i] = sample(q, generators[i])
+                rows[i].append(q)
+            except Exception as exc:  # noqa: BLE001 - this row alone fails
+                failures[i] = RowError.of(requests[i].seq_id, exc)
+        return chosen
 
 
 class TargetEngine(_Engine):
     def verify(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
         """One batched forward pass over every sequence's last token and its drafts, then the
-        speculative sampling rule per sequence."""
+        speculative sampling rule: for greedy rows one argmax over all of them, for sampled
+        rows the batched rule (replicas/speculative.py), both on the model's device."""
         started = time.perf_counter()
         extensions = self.runner.extend_batch(
             [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), len(r.draft_tokens) + 1)
              for r in requests])  # logits [k+1, V] each
-        outcomes = [self._decide_row(r, e.logits) for r, e in zip(requests, extensions)]
+        outcomes = self._decide(requests, [e.logits for e in extensions])
         model_ms = (time.perf_counter() - started) * 1000
         return [o if isinstance(o, RowError) else
                 Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms, e.batch_positions)
                 for o, e in zip(outcomes, extensions)]
 
-    def _decide_row(self, request: VerifyRequest, logits: torch.Tensor):
-        try:
-            if torch.isnan(logits).any():
-                raise NonFiniteDistribution("the target model's logits hold NaN")
-            return self._decide(request, logits)
-        except Exception as exc:  # noqa: BLE001 - this row alone fails
-            self.runner.release(request.seq_id)   # its cache may hold the same bad numbers
-            return RowError.of(request.seq_id, exc)
+    def _decide(self, requests: list[VerifyRequest], logits: list[torch.Tensor]) -> list:
+        outcomes: list = [None] * len(requests)
+        poisoned = torch.stack([row.isnan().any() for row in logits]).tolist()
+        for i, bad in enumerate(poisoned):
+            if bad:
+                outcomes[i] = NonFiniteDistribution("the target model's logits hold NaN")
+        greedy = [i for i, r in enumerate(requests) if r.sampling.greedy and outcomes[i] is None]
+        for i, choices in zip(greedy, _argmax_rows([logits[i] for i in greedy])):
+            outcomes[i] = greedy_round(choices, list(requests[i].draft_tokens))
+        for i, request in enumerate(requests):
+            if outcomes[i] is None and not _draft_probs_fit(request, logits[i].shape[-1]):
+                outcomes[i] = ValueError(f"draft_probs of shape {tuple(request.draft_probs.shape)} for "
+                                         f"{len(request.draft_tokens)} drafts over {logits[i].shape[-1]} tokens")
+        sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy and outcomes[i] is None]
+        if sampled:
+            device = logits[0].device
+            for i, outcome in zip(sampled, self._sampled_rounds([requests[i] for i in sampled],
+                                                                [logits[i] for i in sampled], device)):
+                outcomes[i] = outcome
+        return [self._row_result(request, outcome) for request, outcome in zip(requests, outcomes)]
 
     @staticmethod
-    def _decide(request: VerifyRequest, logits: torch.Tensor):
-        drafts = list(request.draft_tokens)
-        if request.sampling.greedy:
-            return greedy_round(logits, drafts)
-        return sampled_round(logits, drafts, request.draft_probs, request.sampling, make_generator(request.seed))
+    def _sampled_rounds(requests: list[VerifyRequest], logits: list[torch.Tensor], device) -> list:
+        try:
+            return sampled_rounds(logits, [list(r.draft_tokens) for r in requests], [r.draft_probs for r in requests],
+                                  [r.sampling for r in requests], [make_generator(r.seed, device) for r in requests])
+        except Exception as exc:  # noqa: BLE001 - one row's bad input (its q, its params): find it alone
+            if len(requests) == 1:
+                return [exc]
+            return [TargetEngine._sampled_rounds([r], [row], device)[0] for r, row in zip(requests, logits)]
+
+    def _row_result(self, request: VerifyRequest, outcome):
+        if isinstance(outcome, Exception):
+            self.runner.release(request.seq_id)   # its cache may hold the same bad numbers
+            return RowError.of(request.seq_id, outcome)
+        return outcome
+
+
+def _draft_probs_fit(request: VerifyRequest, vocab: int) -> bool:
+    q = request.draft_probs
+    return q is None or tuple(q.shape) == (len(request.draft_tokens), vocab)
+
+
+def _argmax_rows(logits: list[torch.Tensor]) -> list[list[int]]:
+    """The argmax of every row of each [n, V] tensor, all in one transfer from the device."""
+    if not logits:
+        return []
+    flat = torch.cat([rows.argmax(-1) for rows in logits]).tolist()
+    out, start = [], 0
+    for rows in logits:
+        out.append(flat[start:start + rows.shape[0]])
+        start += rows.shape[0]
+    return out

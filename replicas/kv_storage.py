@@ -1,0 +1,113 @@
+"""A replica's keys and values, preallocated, and the window of it one forward pass uses.
+
+Per layer the storage holds keys and values as [slots + 1, kv_heads, max_seq_len, head_dim]
+(slot 0 is scratch, replicas/kv_cache.py says which sequence owns which slot). A batched
+forward pass runs over the adjacent slots lo..hi that hold its rows (R = hi - lo + 1 rows,
+some of them holes: slots of sequences not in this batch, fed dummy tokens). Each layer
+
+- writes the new keys/values of row r, position j at (slot lo + r, P_r + j) when j is one of
+  the row's N_r new positions, and at the scratch slot otherwise (right padding, holes);
+- attends over storage[lo:hi+1, :, :L] with L = max(P_r + N_r): a view, so no sequence's
+  cache is copied; the mask lets row r's query j see its own slot's positions 0..P_r + j.
+
+Shapes: R rows, N = max N_r new positions per row, L attended positions per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from replicas.kv_cache import SCRATCH_SLOT, SlotMove
+
+
+class SlotStorage:
+    """Per-layer key and value tensors of `capacity + 1` slots, allocated at a layer's first
+    write (a tensor-parallel shard learns its head count from the keys it computes)."""
+
+    def __init__(self, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self.capacity = 0
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Grow every allocated layer to `capacity` slots (doubling, so growth is rare)."""
+        if capacity <= self.capacity:
+            return
+        grown = max(capacity, 2 * self.capacity)
+        for index, layer in enumerate(self.layers):
+            if layer is not None:
+                self.layers[index] = tuple(_grow(tensor, grown + 1) for tensor in layer)
+        self.capacity = grown
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values, allocated in the shape of `like` [R, H, N, D]."""
+        while len(self.layers) <= index:
+            self.layers.append(None)
+        if self.layers[index] is None:
+            shape = (self.capacity + 1, like.shape[1], self.max_seq_len, like.shape[3])
+            self.layers[index] = (like.new_zeros(shape), like.new_zeros(shape))
+        return self.layers[index]
+
+    def move(self, moves: list[SlotMove]) -> None:
+        for move in moves:
+            for layer in self.layers:
+                for tensor in layer or ():
+                    tensor[move.destination, :, :move.length] = tensor[move.source, :, :move.length]
+
+    def sequence(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One slot's first `length` keys and values per layer, [1, H, length, D] views."""
+        return [(k[slot:slot + 1, :, :length], v[slot:slot + 1, :, :length]) for k, v in self.layers if k is not None]
+
+
+def _grow(tensor: torch.Tensor, slots: int) -> torch.Tensor:
+    grown = tensor.new_zeros((slots, *tensor.shape[1:]))
+    grown[:tensor.shape[0]] = tensor
+    return grown
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each of a forward pass's rows reads and writes."""
+    lo: int                      # the window is slots lo..lo + rows - 1
+    rows: int                    # R
+    attended: int                # L
+    write_slot: torch.Tensor     # [R, N] long: the slot position (r, j) is written to
+    write_position: torch.Tensor  # [R, N] long: the position in that slot
+
+
+class BatchWindow:
+    """What the model's attention layers see as their cache during one forward pass:
+    `update` stores a layer's new keys/values in the slots and returns the window to attend."""
+
+    def __init__(self, storage: SlotStorage, layout: RowLayout):
+        self.storage, self.layout = storage, layout
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """keys, values [R, H, N, D] -> the window's keys and values [R, H, L, D] (views)."""
+        stored_keys, stored_values = self.storage.layer(layer_idx, keys)
+        where = (self.layout.write_slot, self.layout.write_position)
+        stored_keys.transpose(1, 2).index_put_(where, keys.transpose(1, 2))
+        stored_values.transpose(1, 2).index_put_(where, values.transpose(1, 2))
+        window = slice(self.layout.lo, self.layout.lo + self.layout.rows)
+        return (stored_keys[window, :, :self.layout.attended], stored_values[window, :, :self.layout.attended])
+
+
+def layout_rows(lo: int, reuse: list[int], new: list[int], device: torch.device) -> tuple[RowLayout, torch.Tensor, torch.Tensor]:
+    """For window rows r with P_r = reuse[r] cached and N_r = new[r] new positions (N_r = 0 for
+    a hole): the layout, RoPE positions [R, N] and the attention mask [R, 1, N, L] (bool,
+    True where a query may attend)."""
+    rows, width = len(reuse), max(new)
+    attended = max(p + n for p, n in zip(reuse, new))
+    cached = torch.tensor(reuse)[:, None]                                  # [R, 1]
+    column = torch.arange(width)[None, :]                                  # [1, N]
+    real = column < torch.tensor(new)[:, None]                             # [R, N]
+    slot = torch.arange(lo, lo + rows)[:, None].expand(rows, width)
+    write_slot = torch.where(real, slot, torch.full_like(slot, SCRATCH_SLOT))
+    write_position = torch.where(real, cached + column, column)
+    positions = cached + column                                            # [R, N]
+    key = torch.arange(attended)[None, None, :]                            # [1, 1, L]
+    mask = key <= positions[:, :, None]                                    # [R, N, L]
+    layout = RowLayout(lo, rows, attended, write_slot.to(device), write_position.to(device))
+    return layout, positions.to(device), mask[:, None].to(device)
