@@ -17,8 +17,10 @@ replicas with cache affinity (router/routing.py), set where the application is b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -70,10 +72,15 @@ class _ModelReplica:
 
     async def _submit_all(self, requests: list) -> list:
         """The calls a router gathered; they join the batch of every other router's calls.
-        A call that fails is answered with a RowError in its place, not by failing the others."""
+        A call that fails is answered with a RowError in its place, not by failing the others.
+        Each answer says how long the call spent in this replica (batch windows, queueing,
+        the engine), which the router sets against the call's wall time."""
+        arrived = time.perf_counter()
         results = await asyncio.gather(*(self.batcher.submit(request) for request in requests),
                                        return_exceptions=True)
-        return [RowError.of(request.seq_id, result) if isinstance(result, Exception) else result
+        replica_ms = (time.perf_counter() - arrived) * 1000
+        return [RowError.of(request.seq_id, result) if isinstance(result, Exception)
+                else dataclasses.replace(result, replica_ms=replica_ms)
                 for request, result in zip(requests, results)]
 
     async def release(self, seq_id: str) -> None:

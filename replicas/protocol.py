@@ -27,6 +27,7 @@ class Proposal:
     batch_rows: float                 # mean sequences per draft forward pass of this call
     model_ms: float                   # wall time of the replica's batched propose
     steps: int = 0                    # draft forward passes that batched propose ran
+    replica_ms: float = 0.0           # from the call's arrival at the replica to its answer
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Verification:
     batch_rows: int            # sequences in the forward pass that verified it
     model_ms: float            # wall time of the replica's batched verify
     batch_positions: int = 0   # positions that forward pass computed, over all its sequences
+    replica_ms: float = 0.0    # from the call's arrival at the replica to its answer
 
 
 class RowError(Exception):

@@ -85,6 +85,10 @@ class SpeculationStats:
     retried_calls: int = 0          # calls repeated because their replica died
     fallback_rounds: int = 0        # rounds that wanted drafts and went on without them
     k_chosen: int = 0               # summed over rounds: the k each round asked for
+    # Where coordination goes (summed): the calls' wall time at the router, and the part of
+    # it the replicas spent on them (batch windows, queueing, the engine).
+    call_ms: float = 0.0
+    replica_ms: float = 0.0
 
     def as_dict(self) -> dict:
         rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -95,6 +99,12 @@ class SpeculationStats:
                 "mean_draft_batch": round(self.draft_batch_rows / self.draft_rounds, 3) if self.draft_rounds else 0.0,
                 "round_ms": round(self.round_ms * per_round, 3),
                 "coordination_ms_per_round": round((self.round_ms - self.model_ms) * per_round, 3),
+                # coordination = hops (handle calls and router-side gathering: call wall time
+                # outside the replicas) + replica waits (in a replica, outside the engine)
+                # + router work between the calls
+                "hop_ms_per_round": round((self.call_ms - self.replica_ms) * per_round, 3),
+                "replica_wait_ms_per_round": round((self.replica_ms - self.model_ms) * per_round, 3),
+                "router_ms_per_round": round((self.round_ms - self.call_ms) * per_round, 3),
                 "retried_calls": self.retried_calls, "fallback_rounds": self.fallback_rounds,
                 "mean_k": round(self.k_chosen * per_round, 3)}
 
@@ -174,8 +184,11 @@ class SpeculationLoop:
         stats.k_chosen += k
         fallbacks_before = stats.fallback_rounds
         drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
+        verify_started = time.perf_counter()
         verdict = await self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")))
+        stats.call_ms += (time.perf_counter() - verify_started) * 1000
+        stats.replica_ms += verdict.replica_ms
         if self.metrics is not None:
             # A call after the first that computed the whole sequence again rebuilt its cache.
             rebuilt = {"target": stats.rounds > 0 and verdict.positions_fed >= len(tokens),
@@ -225,6 +238,7 @@ class SpeculationLoop:
         if not self.drafts.available:
             stats.fallback_rounds += 1
             return [], None, None
+        started = time.perf_counter()
         try:
             proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
                 seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
@@ -239,6 +253,8 @@ class SpeculationLoop:
         stats.draft_batch_rows += proposal.batch_rows
         stats.draft_rounds += 1
         stats.model_ms += proposal.model_ms
+        stats.call_ms += (time.perf_counter() - started) * 1000
+        stats.replica_ms += proposal.replica_ms
         return proposal.tokens, proposal.probs, proposal
 
     async def _send(self, pool: str, lane: str, requests: list) -> list:

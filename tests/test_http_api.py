@@ -96,12 +96,16 @@ def assert_speculation(out: dict) -> dict:
     spec = out["speculation"]
     assert set(spec) == {"rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate",
                          "mean_verify_batch", "mean_draft_batch", "round_ms", "coordination_ms_per_round",
-                         "retried_calls", "fallback_rounds", "mean_k"}
+                         "retried_calls", "fallback_rounds", "mean_k", "hop_ms_per_round",
+                         "replica_wait_ms_per_round", "router_ms_per_round"}
     assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert spec["rounds"] >= 1
     assert spec["mean_verify_batch"] >= 1 and spec["round_ms"] >= spec["coordination_ms_per_round"] >= 0
     assert (spec["mean_draft_batch"] >= 1) == (spec["drafted_tokens"] > 0)
+    # The three parts of coordination are each a real duration, and add up to it.
+    parts = [spec["hop_ms_per_round"], spec["replica_wait_ms_per_round"], spec["router_ms_per_round"]]
+    assert min(parts) >= 0 and abs(sum(parts) - spec["coordination_ms_per_round"]) < 0.01
     assert spec["retried_calls"] == 0 and spec["fallback_rounds"] == 0
     return spec
 

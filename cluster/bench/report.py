@@ -27,7 +27,7 @@ def summarize(phase: PhaseResult) -> dict:
     tokens = sum(r.output_tokens for r in done)
 
     def per_round(key: str) -> float:
-        return sum(s[key] * s["rounds"] for s in spec) / rounds if rounds else 0.0
+        return sum(s.get(key, 0.0) * s["rounds"] for s in spec) / rounds if rounds else 0.0
 
     ms = 1000
     return {
@@ -49,6 +49,8 @@ def summarize(phase: PhaseResult) -> dict:
         "round_ms": round(per_round("round_ms"), 3),
         "mean_k": round(per_round("mean_k"), 3),
         "coordination_ms_per_round": round(per_round("coordination_ms_per_round"), 3),
+        **{key: round(per_round(key), 3) for key in ("hop_ms_per_round", "replica_wait_ms_per_round",
+                                                     "router_ms_per_round")},
     }
 
 
@@ -57,7 +59,8 @@ COLUMNS = [("concurrency", "C", "{}"), ("mode", "mode", "{}"), ("output_tokens_p
            ("ttft_p50_ms", "ttft p50", "{:.0f}"), ("itl_p50_ms", "itl p50", "{:.1f}"),
            ("itl_p99_ms", "itl p99", "{:.1f}"), ("acceptance_rate", "accept", "{:.3f}"),
            ("tokens_per_round", "tok/rnd", "{:.2f}"), ("mean_k", "k", "{:.2f}"), ("mean_verify_batch", "vbatch", "{:.2f}"),
-           ("coordination_ms_per_round", "coord ms", "{:.1f}")]
+           ("coordination_ms_per_round", "coord ms", "{:.1f}"), ("hop_ms_per_round", "hops ms", "{:.1f}"),
+           ("replica_wait_ms_per_round", "rwait ms", "{:.1f}"), ("router_ms_per_round", "rtr ms", "{:.1f}")]
 
 
 def table(rows: list[dict]) -> str:
