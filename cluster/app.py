@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Callable
 
 from ray.serve import Application
@@ -22,8 +23,13 @@ CONTROL_HEADROOM = 1024
 
 def build_app(config: ClusterConfig) -> Application:
     pools = config.pools
-    draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(config.models.draft, pools.draft, config.limits.context_length)
-    target = TargetPool.options(**_model_pool_options(pools.target)).bind(config.models.target, pools.target, config.limits.context_length)
+    # Signs the router's direct calls to the model replicas (replicas/direct_channel.py): new
+    # with every build, known to this application's processes only.
+    channel_key = secrets.token_bytes(32)
+    draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(
+        config.models.draft, pools.draft, config.limits.context_length, channel_key)
+    target = TargetPool.options(**_model_pool_options(pools.target)).bind(
+        config.models.target, pools.target, config.limits.context_length, channel_key)
     router = pools.router
     return Router.options(
         **_replica_count(router, router_autoscaling),
@@ -34,7 +40,7 @@ def build_app(config: ClusterConfig) -> Application:
         max_queued_requests=CONTROL_HEADROOM,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=router.retry_after_s),
         ray_actor_options=router.resources.ray_actor_options(),
-    ).bind(draft, target, config)
+    ).bind(draft, target, config, channel_key)
 
 
 def _model_pool_options(pool: DraftPoolConfig | TargetPoolConfig) -> dict:

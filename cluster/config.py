@@ -190,6 +190,10 @@ class RouterPoolConfig(_ScaledPool):
     retry_after_s: int = Field(1, ge=0, description="The Retry-After (seconds) a refused request is given.")
     gather_wait_ms: float = Field(20.0, ge=0, description="Longest a router holds the calls it gathers for a pool "
                                                           "while another sequence is still emitting its last tokens.")
+    direct_calls: bool = Field(True, description="Send propose and verify calls over a direct, signed TCP channel to "
+                                                 "the replica Serve routes each lane to (replicas/direct_channel.py), "
+                                                 "instead of a Serve handle call each; a broken channel falls back "
+                                                 "to the handle.")
     resources: Resources = Field(default_factory=lambda: Resources(num_cpus=0.1))
 
 

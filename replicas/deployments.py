@@ -11,7 +11,9 @@ queueing the next batch while a forward pass runs.
 
 Each call carries the requests a router gathered (router/gathering.py). Calls reach these
 replicas with cache affinity (router/routing.py), set where the application is built
-(cluster/app.py), which also gives a tensor-parallel replica its placement group.
+(cluster/app.py), which also gives a tensor-parallel replica its placement group. They come
+as Serve handle calls or, from a router that asked for the replica's `channel_address`, over
+a direct channel (replicas/direct_channel.py); both join the same batches.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ray import serve
 
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.batcher import Batcher
+from replicas.direct_channel import ChannelServer
 from replicas.engines import build_engine
 from replicas.metrics import GAUGE_REFRESH_S, PoolMetrics, refresh_every
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
@@ -41,7 +44,8 @@ class _ModelReplica:
     role: str
     batched_method: str          # the engine method that takes a list of calls
 
-    def __init__(self, spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int):
+    def __init__(self, spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int,
+                 channel_key: bytes):
         logger.info("loading %s model from %s (%s, %s, tp_size %d)", self.role, spec.path, spec.dtype,
                     spec.device, pool.tp_size)
         self.engine = build_engine(self.role, spec, pool, max_seq_len)
@@ -52,6 +56,8 @@ class _ModelReplica:
         batching = pool.batching
         self.batcher = Batcher(self._run_batch, lambda call: call.seq_id,
                                batching.max_batch_size, batching.wait_ms / 1000, batching.wait_for_active)
+        self.channel = ChannelServer(channel_key, {self.batched_method: self._submit_all})
+        self._channel_start: asyncio.Future | None = None
         refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.state(self.batcher.active_sequences,
                                                                   self.engine.describe()))
         logger.info("%s model ready", self.role)
@@ -82,6 +88,13 @@ class _ModelReplica:
         return [RowError.of(request.seq_id, result) if isinstance(result, Exception)
                 else dataclasses.replace(result, replica_ms=replica_ms)
                 for request, result in zip(requests, results)]
+
+    async def channel_address(self) -> tuple[str, int]:
+        """Where this replica takes direct calls (replicas/direct_channel.py); a router asks
+        with a lane's session id, so the answer comes from the replica that serves the lane."""
+        if self._channel_start is None:   # once, however many routers ask at the same time
+            self._channel_start = asyncio.ensure_future(self.channel.start(ray.util.get_node_ip_address()))
+        return await asyncio.shield(self._channel_start)
 
     async def release(self, seq_id: str) -> None:
         """Drop a finished sequence's cache; batches stop waiting for it."""

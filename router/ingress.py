@@ -143,7 +143,7 @@ async def _until(deadline: float, deltas: AsyncIterator[Delta]) -> AsyncIterator
 @serve.deployment(name="router")
 @serve.ingress(app)
 class Router:
-    def __init__(self, draft, target, config: ClusterConfig):
+    def __init__(self, draft, target, config: ClusterConfig, channel_key: bytes):
         self.config = config
         tokenizer = load_tokenizer(config.models.target.path)
         vocab_size = _vocab_size(config)
@@ -156,7 +156,8 @@ class Router:
         self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer),
                                     PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
                                     GoodputController(spec.min_k, spec.max_k, spec.k),
-                                    lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics)
+                                    lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics,
+                                    channel_key if pools.router.direct_calls else None)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.gate(self.gate.running, self.gate.queued,
                                                                  self.loop.goodput.k))
@@ -198,6 +199,7 @@ class Router:
                 "refused": self.gate.refused, "drafts_available": self.loop.drafts.available,
                 "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences(),
                 "goodput": self.loop.goodput.describe(), "totals": self.metrics.totals.as_dict(),
+                "call_paths": dict(self.loop.call_paths),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     async def _generate(self, request: Request, body_type: type[_GenerationBody],
