@@ -110,8 +110,9 @@ class Admission:
             raise bad_request(f"speculation.k must lie in [{max(1, spec.min_k)}, {spec.max_k}] on this server.",
                               "speculation.k")
         if not (spec.enabled and wanted):
-            return {"k": 0, "adaptive": False}
-        return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None}
+            return {"k": 0, "adaptive": False, "overlap": False}
+        overlap = spec.overlap and (options is None or options.overlap is not False)
+        return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap}
 
 
 def _sampling(body: _GenerationBody) -> SamplingParams:

@@ -19,6 +19,7 @@ class _Body(BaseModel):
 class SpeculationOptions(_Body):
     enabled: bool | None = Field(None, description="False: the target alone (the baseline).")
     k: int | None = Field(None, ge=1, description="Draft tokens per round for this request.")
+    overlap: bool | None = Field(None, description="False: no drafting of the next window during verification.")
 
 
 class StreamOptions(_Body):

@@ -29,12 +29,13 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from replicas.direct_channel import ChannelBroken
-from replicas.protocol import ProposeRequest, RowError, VerifyRequest
+from replicas.protocol import Proposal, ProposeRequest, RowError, VerifyRequest
 from replicas.sampling import SamplingParams
 from router.fallback import DraftAvailability
 from router.direct_routes import DirectRoutes
 from router.gathering import CallGatherer
 from router.goodput import CostProfile, GoodputController
+from router.lookahead import Drafts, lookahead_size, usable_drafts
 from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
 
@@ -70,6 +71,7 @@ class Generation:
     seed: int
     k: int                     # draft tokens per round; 0 turns speculation off
     adaptive: bool = False     # choose k each round by goodput (router/goodput.py), k until it can
+    overlap: bool = False      # draft the next window while this one is verified (router/lookahead.py)
 
 
 @dataclass
@@ -92,6 +94,12 @@ class SpeculationStats:
     # it the replicas spent on them (batch windows, queueing, the engine).
     call_ms: float = 0.0
     replica_ms: float = 0.0
+    # Overlapped drafting (router/lookahead.py): rounds whose lookahead was checked, those
+    # that used it, and draft engine time in all and the part of it hidden behind verifies.
+    lookaheads_checked: int = 0
+    lookahead_hits: int = 0
+    draft_ms: float = 0.0
+    hidden_draft_ms: float = 0.0
 
     def as_dict(self) -> dict:
         rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -109,7 +117,10 @@ class SpeculationStats:
                 "replica_wait_ms_per_round": round((self.replica_ms - self.model_ms) * per_round, 3),
                 "router_ms_per_round": round((self.round_ms - self.call_ms) * per_round, 3),
                 "retried_calls": self.retried_calls, "fallback_rounds": self.fallback_rounds,
-                "mean_k": round(self.k_chosen * per_round, 3)}
+                "mean_k": round(self.k_chosen * per_round, 3),
+                "lookahead_hit_rate": round(self.lookahead_hits / self.lookaheads_checked, 4)
+                if self.lookaheads_checked else 0.0,
+                "draft_hidden_share": round(self.hidden_draft_ms / self.draft_ms, 4) if self.draft_ms else 0.0}
 
 
 @dataclass
@@ -117,6 +128,18 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None   # "stop" or "length" on the last delta
+
+
+@dataclass
+class _Ahead:
+    """A sequence's lookahead in flight: the call, the window it drafts after, and that
+    window's verification."""
+    task: asyncio.Task | None = None
+    drafts: list[int] = field(default_factory=list)
+    verdict: object = None
+
+    def discard(self) -> None:
+        self.task, self.drafts, self.verdict = None, [], None
 
 
 @dataclass
@@ -167,9 +190,10 @@ class SpeculationLoop:
         progress = _Progress(IncrementalDetokenizer(self.tokenizer), StopStringFilter(gen.stop))
         self.gatherer.begin(lane, seq_id)
         self._running.add(seq_id)
+        ahead = _Ahead()
         try:
             while True:
-                new_tokens = await self._round(lane, seq_id, tokens, gen, stats)
+                new_tokens = await self._round(lane, seq_id, tokens, gen, stats, ahead)
                 delta = self._emit(new_tokens, progress, gen)
                 tokens.extend(delta.token_ids)
                 yield delta
@@ -180,9 +204,11 @@ class SpeculationLoop:
             self.gatherer.finish(lane, seq_id)
             self._retries.pop(seq_id, None)
             self._release(lane, seq_id, "draft", "target")
+            if ahead.task is not None:   # it would cache the sequence again on the draft replica
+                ahead.task.add_done_callback(lambda _: self._release(lane, seq_id, "draft"))
 
     async def _round(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
-                     stats: SpeculationStats) -> list[int]:
+                     stats: SpeculationStats, ahead: _Ahead) -> list[int]:
         started = time.perf_counter()
         cap = gen.max_tokens - (len(tokens) - len(gen.prompt_ids)) - 1   # a round yields up to k + 1 tokens
         if cap == 0 and gen.k > 0:
@@ -191,10 +217,19 @@ class SpeculationLoop:
         k = self._choose_k(gen, cap)
         stats.k_chosen += k
         fallbacks_before = stats.fallback_rounds
-        drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
+        ready = await self._drafts_ahead(ahead, k, stats)
+        if ready is not None:
+            drafts, probs, proposal = ready.tokens, ready.probs, None   # drafted off this round's path
+        else:
+            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
         verify_started = time.perf_counter()
-        verdict = await self.gatherer.call("target", lane, seq_id, VerifyRequest(
-            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target")))
+        verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
+            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"))))
+        if gen.overlap and drafts:
+            self._look_ahead(ahead, lane, seq_id, tokens, drafts, lookahead_size(k, cap - len(drafts) - 1),
+                             gen, stats.rounds)
+        verdict = await verifying
+        ahead.verdict = verdict
         stats.call_ms += (time.perf_counter() - verify_started) * 1000
         stats.replica_ms += verdict.replica_ms
         if self.metrics is not None:
@@ -212,6 +247,44 @@ class SpeculationLoop:
         self.goodput.observe(len(drafts), verdict.accepted, (time.perf_counter() - started) * 1000,
                              verdict, proposal, adaptive=gen.adaptive)
         return verdict.tokens
+
+    async def _drafts_ahead(self, ahead: _Ahead, k: int, stats: SpeculationStats) -> Drafts | None:
+        """This round's drafts from the last round's lookahead, when its guess held."""
+        task, drafts, verdict = ahead.task, ahead.drafts, ahead.verdict
+        ahead.discard()
+        if task is None:
+            return None
+        stats.lookaheads_checked += 1
+        if k == 0 or verdict.accepted < len(drafts):
+            return None             # the guess cannot hold: not waited for
+        lookahead = await task
+        ready = usable_drafts(drafts, verdict, lookahead, k) if lookahead is not None else None
+        if ready is None or not ready.tokens:
+            return None
+        stats.lookahead_hits += 1
+        stats.draft_ms += lookahead.model_ms
+        stats.hidden_draft_ms += lookahead.model_ms
+        stats.draft_batch_rows += lookahead.batch_rows
+        stats.draft_rounds += 1
+        return ready
+
+    def _look_ahead(self, ahead: _Ahead, lane: str, seq_id: str, tokens: list[int], drafts: list[int],
+                    size: int, gen: Generation, round_index: int) -> None:
+        """Ask the draft pool for the guess and `size` drafts after this window, while it is
+        verified; outside the lane's gathering (the sequence has a call in flight already)."""
+        if size == 0:
+            return
+        request = ProposeRequest(seq_id, tokens + drafts, size + 1, gen.sampling,
+                                 round_seed(gen.seed, round_index, "draft-ahead"))
+
+        async def look() -> Proposal | None:
+            try:
+                [answer] = await self._send("draft", lane, [request])
+            except Exception:  # noqa: BLE001 - a lost lookahead is a miss; the next round drafts
+                return None
+            return None if isinstance(answer, RowError) else answer
+        ahead.task = asyncio.get_running_loop().create_task(look())
+        ahead.drafts = list(drafts)
 
     def _choose_k(self, gen: Generation, cap: int) -> int:
         """The request's fixed k; or, adaptive, the router's k by goodput (router/goodput.py),
@@ -261,6 +334,7 @@ class SpeculationLoop:
         stats.draft_batch_rows += proposal.batch_rows
         stats.draft_rounds += 1
         stats.model_ms += proposal.model_ms
+        stats.draft_ms += proposal.model_ms
         stats.call_ms += (time.perf_counter() - started) * 1000
         stats.replica_ms += proposal.replica_ms
         return proposal.tokens, proposal.probs, proposal

@@ -50,7 +50,8 @@ def summarize(phase: PhaseResult) -> dict:
         "mean_k": round(per_round("mean_k"), 3),
         "coordination_ms_per_round": round(per_round("coordination_ms_per_round"), 3),
         **{key: round(per_round(key), 3) for key in ("hop_ms_per_round", "replica_wait_ms_per_round",
-                                                     "router_ms_per_round")},
+                                                     "router_ms_per_round", "lookahead_hit_rate",
+                                                     "draft_hidden_share")},
     }
 
 
@@ -60,7 +61,8 @@ COLUMNS = [("concurrency", "C", "{}"), ("mode", "mode", "{}"), ("output_tokens_p
            ("itl_p99_ms", "itl p99", "{:.1f}"), ("acceptance_rate", "accept", "{:.3f}"),
            ("tokens_per_round", "tok/rnd", "{:.2f}"), ("mean_k", "k", "{:.2f}"), ("mean_verify_batch", "vbatch", "{:.2f}"),
            ("coordination_ms_per_round", "coord ms", "{:.1f}"), ("hop_ms_per_round", "hops ms", "{:.1f}"),
-           ("replica_wait_ms_per_round", "rwait ms", "{:.1f}"), ("router_ms_per_round", "rtr ms", "{:.1f}")]
+           ("replica_wait_ms_per_round", "rwait ms", "{:.1f}"), ("router_ms_per_round", "rtr ms", "{:.1f}"),
+           ("lookahead_hit_rate", "hit", "{:.2f}"), ("draft_hidden_share", "hidden", "{:.2f}")]
 
 
 def table(rows: list[dict]) -> str:

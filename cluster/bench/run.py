@@ -91,6 +91,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
     if config.speculation.adaptive:
         modes = {"adaptive": replace(speculative, speculation={}), **modes}
+    if config.speculation.overlap:   # the same k, drafting only after each verify
+        modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False})
     print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
           f"modes {', '.join(modes)}")
     asyncio.run(closed_loop(speculative, 2, 2))  # warm-up: first calls load lazily

@@ -136,6 +136,8 @@ class TargetEngine(_Engine):
         """One batched forward pass over every sequence's last token and its drafts, then the
         speculative sampling rule: for greedy rows one argmax over all of them, for sampled
         rows the batched rule (replicas/speculative.py), both on the model's device."""
+        if not requests:
+            return []
         started = time.perf_counter()
         extensions = self.runner.extend_batch(
             [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), len(r.draft_tokens) + 1)
