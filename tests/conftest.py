@@ -50,12 +50,15 @@ def zoo(tmp_path_factory) -> ModelZoo:
 
 
 def cluster_config(target: Path, draft: Path, **sections) -> ClusterConfig:
-    """A small test cluster: every replica on a tenth of a CPU."""
+    """A small test cluster: every replica on a tenth of a CPU, overlapped drafting on."""
     small = {"resources": {"num_cpus": 0.1}}
     data = {
         "models": {"target": {"path": str(target)}, "draft": {"path": str(draft)}},
         "pools": {"router": small, "draft": small, "target": small},
         "limits": {"max_tokens": 256, "default_max_tokens": 16, "context_length": 512},
+        # Overlapped drafting on (it is off by default): every exactness, concurrency and
+        # failover test through HTTP runs with lookaheads in flight.
+        "speculation": {"overlap": True},
     }
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
