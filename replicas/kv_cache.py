@@ -112,6 +112,12 @@ class KVCacheStore:
         """A slot `place` gave out whose forward pass failed: free, its contents unknown."""
         heapq.heappush(self._free, slot)
 
+    def clear(self) -> None:
+        """Forget every sequence: all slots free."""
+        self._entries.clear()
+        self._free = list(range(1, self.capacity + 1))
+        self._tokens = 0
+
     def drop(self, seq_id: str) -> None:
         entry = self._entries.pop(seq_id, None)
         if entry is not None:

@@ -112,6 +112,10 @@ class ModelRunner:
         try:
             self.storage.ensure_capacity(self.caches.capacity)
             self.storage.move(moves)
+        except BaseException:
+            self.caches.clear()   # the index already points moved sequences at their new slots
+            raise
+        try:
             extensions = self._forward(calls, reuse, slots)
         except BaseException:
             for slot in slots.values():   # a half-written slot must never be reused
