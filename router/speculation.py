@@ -249,16 +249,20 @@ class SpeculationLoop:
         return verdict.tokens
 
     async def _drafts_ahead(self, ahead: _Ahead, k: int, stats: SpeculationStats) -> Drafts | None:
-        """This round's drafts from the last round's lookahead, when its guess held."""
+        """This round's drafts from the last round's lookahead, when its guess held. A
+        lookahead is awaited even when it cannot hold (the draft replica runs it before the
+        next propose anyway): so the draft replica's cache sees the same calls in the same
+        order every time, and a seed gives the same sample (logits computed over a cached
+        prefix differ in the last bits from logits computed afresh)."""
         task, drafts, verdict = ahead.task, ahead.drafts, ahead.verdict
         ahead.discard()
         if task is None:
             return None
         stats.lookaheads_checked += 1
-        if k == 0 or verdict.accepted < len(drafts):
-            return None             # the guess cannot hold: not waited for
         lookahead = await task
-        ready = usable_drafts(drafts, verdict, lookahead, k) if lookahead is not None else None
+        if k == 0 or lookahead is None:
+            return None
+        ready = usable_drafts(drafts, verdict, lookahead, k)
         if ready is None or not ready.tokens:
             return None
         stats.lookahead_hits += 1

@@ -13,7 +13,7 @@ import httpx
 from ray import serve
 
 from tests.conftest import PROMPTS, cluster_config, deploy
-from tests.http_client import stream_chunks
+from tests.http_client import complete, stream_chunks
 
 MAX_TOKENS = 240
 STREAMS = 8
@@ -32,9 +32,21 @@ def router_states(app: str, replicas: int) -> dict[int, dict]:
     raise AssertionError(f"found {len(states)} of {replicas} router replicas")
 
 
+def wait_until_both_routers_serve(url: str, app: str, timeout_s: float = 60) -> None:
+    """Serve's proxy learns of a new replica a moment after the app is up; streams sent
+    before that all go to one router (seen once in CI, with 8 of 8 on one)."""
+    give_up_at = time.monotonic() + timeout_s
+    while time.monotonic() < give_up_at:
+        if all(state["totals"]["requests"] > 0 for state in router_states(app, 2).values()):
+            return
+        complete(url, PROMPTS[0], max_tokens=1)
+    raise AssertionError("one of the two routers never got a request")
+
+
 def test_a_dead_routers_streams_end_cleanly_and_the_others_finish(ray_serve, zoo, greedy_reference):
     router = {"replicas": 2, "resources": {"num_cpus": 0.1}}
     url = deploy(ray_serve, "two-routers", cluster_config(zoo.target, zoo.drafts["unrelated"], pools={"router": router}))
+    wait_until_both_routers_serve(url, "two-routers")
     prompts = [p for p in PROMPTS if len(greedy_reference(p, MAX_TOKENS)) == MAX_TOKENS]
     prompts = (prompts * STREAMS)[:STREAMS]
     started = threading.Barrier(STREAMS + 1)
