@@ -163,8 +163,8 @@ class SpeculationLoop:
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
         self.pools = {"draft": draft.options(_by_reference=False), "target": target.options(_by_reference=False)}
-        # Faster still: the calls of a round over direct channels to the same replicas (0.3 ms
-        # against 4.3-4.8 ms a handle call, docs/BENCHMARKS.md); handles carry what they cannot.
+        # Faster still: the calls of a round over direct channels to the same replicas (about
+        # 0.75 ms against 4.3-4.8 ms a handle call, docs/BENCHMARKS.md); handles carry the rest.
         self.routes = DirectRoutes(channel_key, self._channel_address) if channel_key is not None else None
         self.call_paths: Counter[str] = Counter()   # pool calls sent "direct" and by "handle"
         self.tokenizer = tokenizer
