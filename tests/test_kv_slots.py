@@ -43,6 +43,9 @@ def test_random_batches_evictions_moves_and_divergences_match_the_uncached_model
     store = runner.caches
     assert store.evictions > 0 and store.moves > 0          # both paths were taken
     assert len(store) <= store.max_slots and store.cached_tokens <= store.max_tokens
+    # Every slot is either free or held by exactly one sequence: none leaked, none shared.
+    held = [entry.slot for entry in store._entries.values()]
+    assert sorted(held + store._free) == list(range(1, store.capacity + 1))
 
 
 def test_a_batch_with_holes_leaves_the_holes_caches_intact():
