@@ -25,6 +25,9 @@ SAMPLING_EPS = 1e-5
 class NonFiniteDistribution(ValueError):
     """A distribution to sample from holds NaN or inf, or no mass at all."""
 
+    def __init__(self, message: str = "the distribution to sample from is not finite or has no mass"):
+        super().__init__(message)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -69,10 +72,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def sampleable(probs: torch.Tensor) -> torch.Tensor:
+    """probs [..., V] -> [...] bool: the distribution is finite, non-negative and has mass."""
+    return torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0)
+
+
 def check_finite(probs: torch.Tensor) -> None:
-    """Raise NonFiniteDistribution unless probs is finite, non-negative and has mass."""
-    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()) or not float(probs.sum()) > 0:
-        raise NonFiniteDistribution("the distribution to sample from is not finite or has no mass")
+    """Raise NonFiniteDistribution unless probs [V] is finite, non-negative and has mass."""
+    if not bool(sampleable(probs)):
+        raise NonFiniteDistribution()
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.sampling import NonFiniteDistribution, SamplingParams, warped_probs
+from replicas.sampling import NonFiniteDistribution, SamplingParams, sampleable, warped_probs
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,11 @@ def sampled_rounds(
     p_next = p[row, accepted]                                                          # [B, V]
     q_next = q[row, accepted.clamp(max=K - 1)] if K else torch.zeros_like(p_next)
     follow = torch.where(rejected[:, None], residual_distribution(p_next, q_next), p_next)   # [B, V]
-    broken = ~(torch.isfinite(follow).all(-1) & (follow >= 0).all(-1) & (follow.sum(-1) > 0))
+    broken = ~sampleable(follow)                                                       # [B]
     follow = torch.where(broken[:, None], torch.ones_like(follow), follow)
     token = torch.cat([torch.multinomial(follow[b], 1, generator=generators[b]) for b in range(rows)])
     counts, tokens, failed = torch.stack([accepted, token, broken.long()]).tolist()
-    return [NonFiniteDistribution("the distribution to sample from is not finite or has no mass") if failed[b]
+    return [NonFiniteDistribution() if failed[b]
             else RoundOutcome(counts[b], drafts[b][:counts[b]] + [tokens[b]]) for b in range(rows)]
 
 
