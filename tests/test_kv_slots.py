@@ -9,6 +9,7 @@ import random
 import torch
 
 from replicas.kv_cache import KVCacheStore, tolerated_span
+from replicas.kv_storage import BatchWindow, layout_rows
 from replicas.model_runner import ExtendCall, ModelRunner
 from training.tiny_models import tiny_llama
 
@@ -81,6 +82,15 @@ def test_steady_batches_read_the_storage_in_place():
         assert {r.positions_fed for r in results} == {3} and {r.batch_rows for r in results} == {8}
     assert [tensor.data_ptr() for layer in runner.storage.layers for tensor in layer] == storage
     assert runner.caches.moves == 0
+    # What attention gets is a view of the storage, not a copy of the rows' caches.
+    stored_keys, stored_values = runner.storage.layers[0]
+    layout, _, _ = layout_rows(1, [len(t) for t in tokens.values()], [1] * 8, torch.device("cpu"))
+    with torch.inference_mode():
+        new = stored_keys.new_zeros(8, stored_keys.shape[1], 1, stored_keys.shape[3])
+    with torch.inference_mode():
+        keys, values = BatchWindow(runner.storage, layout).update(new, new, 0)
+    assert keys.untyped_storage().data_ptr() == stored_keys.untyped_storage().data_ptr()
+    assert values.untyped_storage().data_ptr() == stored_values.untyped_storage().data_ptr()
 
 
 def test_a_spread_out_batch_is_moved_together_once():
