@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from replicas.kv_cache import KVCacheStore
 from replicas.kv_storage import BatchWindow, SlotStorage, layout_rows
+from replicas.llama_forward import LlamaForward
 
 # Rows are grouped so that padded new positions are at most this multiple of the real ones:
 # one long prompt must not make every short verify in its batch pay for its length.
@@ -60,9 +61,13 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None):
+    def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
+                 lean: bool = True):
+        """lean: run a plain Llama decoder through LlamaForward (the same arithmetic with far
+        less Python per call); other models, or lean=False, run through their own modules."""
         _check_plain_output_layer(model.config)
         self.model = model
+        self.decoder = LlamaForward(model) if lean and LlamaForward.supports(model) else self._module_decoder
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.pad_id = model.config.pad_token_id or 0
@@ -137,9 +142,7 @@ class ModelRunner:
             r = slots[call.seq_id] - lo
             input_ids[r, :new[r]] = torch.tensor(call.tokens[cached[r]:])
         layout, positions, mask = layout_rows(lo, cached, new, self.device)
-        hidden = self.model.get_decoder()(input_ids=input_ids.to(self.device), position_ids=positions,
-                                          attention_mask=mask, cache=BatchWindow(self.storage, layout),
-                                          use_cache=True).last_hidden_state         # [R, N, hidden]
+        hidden = self.decoder(input_ids.to(self.device), positions, mask, BatchWindow(self.storage, layout))  # [R, N, hidden]
         wanted_rows, wanted_columns = [], []
         for call in calls:
             r = slots[call.seq_id] - lo
@@ -151,6 +154,18 @@ class ModelRunner:
         per_call = logits.split([call.num_logits for call in calls])
         return [Extension(rows_logits, positions_fed=len(call.tokens) - reuse[call.seq_id], batch_rows=len(calls),
                           batch_positions=batch_positions) for call, rows_logits in zip(calls, per_call)]
+
+
+    def _module_decoder(self, input_ids, positions, mask, window: BatchWindow) -> torch.Tensor:
+        if self.model.config._attn_implementation != "sdpa":     # eager attention adds its mask to the scores
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min)
+        return self.model.get_decoder()(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                                        cache=window, use_cache=True).last_hidden_state
+
+    @property
+    def lean(self) -> bool:
+        return isinstance(self.decoder, LlamaForward)
 
 
 def _check_plain_output_layer(config) -> None:
