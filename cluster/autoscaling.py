@@ -10,7 +10,9 @@ Signals, one per pool, each averaged by Serve over `look_back_s`:
   the sequences expected to call again (not yet released). SequencesPerReplica sums them
   over the running replicas and asks for ceil(sum / target_queue_per_replica). The draft
   pool's count follows the verify rounds by construction: every round of a sequence that
-  speculates makes one propose call. A target replica of tp_size shards is one replica here:
+  speculates makes one propose call; a sequence that also drafts ahead (overlap,
+  router/lookahead.py) sends a second stream of calls, its lookaheads, and counts twice, so
+  the capacity overlap needs is asked for. A target replica of tp_size shards is one replica here:
   Serve adds and removes whole placement groups.
 
 Serve applies min/max, the up and down delays and the scaling factors to what a policy asks

@@ -44,7 +44,7 @@ class Batcher(Generic[Item, Result]):
                  key: Callable[[Item], Hashable], max_batch_size: int, wait_s: float,
                  wait_for_active: bool = False):
         self.run_batch = run_batch
-        self.key = key                # the sequence a call belongs to
+        self.key = key                # the stream of calls a call belongs to (a sequence's)
         self.max_batch_size = max_batch_size
         self.wait_s = wait_s
         self.wait_for_active = wait_for_active

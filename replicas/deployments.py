@@ -54,8 +54,9 @@ class _ModelReplica:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
         self.metrics = PoolMetrics()
         batching = pool.batching
-        self.batcher = Batcher(self._run_batch, lambda call: call.seq_id,
+        self.batcher = Batcher(self._run_batch, call_stream,
                                batching.max_batch_size, batching.wait_ms / 1000, batching.wait_for_active)
+        self.lookahead_calls = 0     # draft calls that drafted ahead of a window being verified
         self.channel = ChannelServer(channel_key, {self.batched_method: self._submit_all})
         self._channel_start: asyncio.Future | None = None
         refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.state(self.batcher.active_sequences,
@@ -82,6 +83,7 @@ class _ModelReplica:
         Each answer says how long the call spent in this replica (batch windows, queueing,
         the engine), which the router sets against the call's wall time."""
         arrived = time.perf_counter()
+        self.lookahead_calls += sum(getattr(request, "lookahead", False) for request in requests)
         results = await asyncio.gather(*(self.batcher.submit(request) for request in requests),
                                        return_exceptions=True)
         replica_ms = (time.perf_counter() - arrived) * 1000
@@ -98,7 +100,7 @@ class _ModelReplica:
 
     async def release(self, seq_id: str) -> None:
         """Drop a finished sequence's cache; batches stop waiting for it."""
-        self.batcher.release(seq_id)
+        release_streams(self.batcher, seq_id)
         await self._on_worker(self.engine.release, seq_id)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -115,9 +117,22 @@ class _ModelReplica:
                 "mean_batch": round(batcher.calls / batcher.batches, 3) if batcher.batches else 0.0,
                 "missed_windows": batcher.missed_windows, "waited_ms": round(batcher.waited_s * 1000, 1),
                 "isolation_reruns": batcher.isolation_reruns, "active_sequences": batcher.active_sequences,
+                "lookahead_calls": self.lookahead_calls,
                 "cost_profile_ms": self.cost_profile,
                 **self.engine.describe(),
                 "holds": self.engine.holds(seq_id) if seq_id is not None else None}
+
+
+def call_stream(call: ProposeRequest | VerifyRequest) -> tuple[str, bool]:
+    """The stream of calls a call belongs to. A sequence that drafts ahead keeps the draft
+    pool busy with two (its windows, its lookaheads), so it counts twice in the demand the
+    pool autoscales on."""
+    return call.seq_id, getattr(call, "lookahead", False)
+
+
+def release_streams(batcher: Batcher, seq_id: str) -> None:
+    for lookahead in (False, True):
+        batcher.release((seq_id, lookahead))
 
 
 @serve.deployment(name="draft")

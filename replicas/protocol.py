@@ -17,6 +17,7 @@ class ProposeRequest:
     k: int                     # draft tokens wanted
     sampling: SamplingParams
     seed: int                  # seeds this call's sampling; derived per round by the router
+    lookahead: bool = False    # drafted ahead, while the window before it is verified (router/lookahead.py)
 
 
 @dataclass(frozen=True)

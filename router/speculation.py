@@ -94,8 +94,10 @@ class SpeculationStats:
     # it the replicas spent on them (batch windows, queueing, the engine).
     call_ms: float = 0.0
     replica_ms: float = 0.0
-    # Overlapped drafting (router/lookahead.py): rounds whose lookahead was checked, those
-    # that used it, and draft engine time in all and the part of it hidden behind verifies.
+    # Overlapped drafting (router/lookahead.py): lookaheads sent, rounds whose lookahead was
+    # checked, those that used it, and draft engine time in all and the part of it hidden
+    # behind verifies.
+    lookaheads: int = 0
     lookaheads_checked: int = 0
     lookahead_hits: int = 0
     draft_ms: float = 0.0
@@ -117,7 +119,7 @@ class SpeculationStats:
                 "replica_wait_ms_per_round": round((self.replica_ms - self.model_ms) * per_round, 3),
                 "router_ms_per_round": round((self.round_ms - self.call_ms) * per_round, 3),
                 "retried_calls": self.retried_calls, "fallback_rounds": self.fallback_rounds,
-                "mean_k": round(self.k_chosen * per_round, 3),
+                "mean_k": round(self.k_chosen * per_round, 3), "lookaheads": self.lookaheads,
                 "lookahead_hit_rate": round(self.lookahead_hits / self.lookaheads_checked, 4)
                 if self.lookaheads_checked else 0.0,
                 "draft_hidden_share": round(self.hidden_draft_ms / self.draft_ms, 4) if self.draft_ms else 0.0}
@@ -226,8 +228,8 @@ class SpeculationLoop:
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"))))
         if gen.overlap and drafts:
-            self._look_ahead(ahead, lane, seq_id, tokens, drafts, lookahead_size(k, cap - len(drafts) - 1),
-                             gen, stats.rounds)
+            stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
+                                                 lookahead_size(k, cap - len(drafts) - 1), gen, stats.rounds)
         verdict = await verifying
         ahead.verdict = verdict
         stats.call_ms += (time.perf_counter() - verify_started) * 1000
@@ -273,13 +275,14 @@ class SpeculationLoop:
         return ready
 
     def _look_ahead(self, ahead: _Ahead, lane: str, seq_id: str, tokens: list[int], drafts: list[int],
-                    size: int, gen: Generation, round_index: int) -> None:
+                    size: int, gen: Generation, round_index: int) -> int:
         """Ask the draft pool for the guess and `size` drafts after this window, while it is
-        verified; outside the lane's gathering (the sequence has a call in flight already)."""
+        verified; outside the lane's gathering (the sequence has a call in flight already).
+        Returns the lookaheads sent (0 or 1)."""
         if size == 0:
-            return
+            return 0
         request = ProposeRequest(seq_id, tokens + drafts, size + 1, gen.sampling,
-                                 round_seed(gen.seed, round_index, "draft-ahead"))
+                                 round_seed(gen.seed, round_index, "draft-ahead"), lookahead=True)
 
         async def look() -> Proposal | None:
             try:
@@ -289,6 +292,7 @@ class SpeculationLoop:
             return None if isinstance(answer, RowError) else answer
         ahead.task = asyncio.get_running_loop().create_task(look())
         ahead.drafts = list(drafts)
+        return 1
 
     def _choose_k(self, gen: Generation, cap: int) -> int:
         """The request's fixed k; or, adaptive, the router's k by goodput (router/goodput.py),

@@ -98,7 +98,7 @@ def assert_speculation(out: dict) -> dict:
                          "mean_verify_batch", "mean_draft_batch", "round_ms", "coordination_ms_per_round",
                          "retried_calls", "fallback_rounds", "mean_k", "hop_ms_per_round",
                          "replica_wait_ms_per_round", "router_ms_per_round", "lookahead_hit_rate",
-                         "draft_hidden_share"}
+                         "draft_hidden_share", "lookaheads"}
     assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert spec["rounds"] >= 1

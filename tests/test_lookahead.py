@@ -132,3 +132,49 @@ def test_a_draft_identical_to_the_target_makes_every_lookahead_hold(apps, greedy
         off = complete(apps["copy"], prompt, max_tokens=48, speculation={"k": 3, "overlap": False})
         assert off["choices"][0]["token_ids"] == out["choices"][0]["token_ids"]
         assert off["speculation"]["lookahead_hit_rate"] == 0.0 and off["speculation"]["draft_hidden_share"] == 0.0
+
+
+def test_a_sequence_drafting_ahead_counts_twice_in_the_draft_pools_demand():
+    """The draft pool autoscales on the call streams it serves (cluster/autoscaling.py): a
+    sequence's lookaheads are a second stream beside its windows, until it is released."""
+    import asyncio
+
+    from replicas.batcher import Batcher
+    from replicas.deployments import call_stream, release_streams
+    from replicas.sampling import SamplingParams
+
+    async def scenario() -> list[int]:
+        async def run(calls):
+            return [None] * len(calls)
+        batcher = Batcher(run, call_stream, max_batch_size=8, wait_s=0.0)
+        window = ProposeRequest("s", [1, 2], 3, SamplingParams(), seed=1)
+        ahead = ProposeRequest("s", [1, 2, 5, 6, 7], 4, SamplingParams(), seed=2, lookahead=True)
+        await batcher.submit(window)
+        seen = [batcher.active_sequences]
+        await asyncio.gather(batcher.submit(window), batcher.submit(ahead))
+        seen.append(batcher.active_sequences)
+        release_streams(batcher, "s")
+        return seen + [batcher.active_sequences]
+
+    assert asyncio.run(scenario()) == [1, 2, 0]
+
+
+def test_the_draft_pool_serves_exactly_the_lookaheads_the_router_sent(apps):
+    import time
+
+    from ray import serve
+
+    draft = serve.get_deployment_handle("draft", app_name="spec-copy")
+
+    def served() -> int:
+        return draft.describe.remote().result()["lookahead_calls"]
+
+    before = served()
+    on = complete(apps["copy"], PROMPTS[1], max_tokens=48, speculation={"k": 3})["speculation"]
+    assert on["lookaheads"] >= on["rounds"] - 1      # every round that leaves room for one more window
+    deadline = time.monotonic() + 10
+    while served() != before + on["lookaheads"] and time.monotonic() < deadline:
+        time.sleep(0.1)                              # the last lookahead may still be on its way
+    assert served() == before + on["lookaheads"]
+    off = complete(apps["copy"], PROMPTS[1], max_tokens=48, speculation={"k": 3, "overlap": False})["speculation"]
+    assert off["lookaheads"] == 0 and served() == before + on["lookaheads"]
