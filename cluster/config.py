@@ -220,10 +220,12 @@ class SpeculationConfig(Strict):
     max_k: int = Field(8, ge=1, description="Largest k a request may ask for or the adaptive choice make.")
     k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off, or until the "
                                         "replicas' cost profiles are known.")
-    overlap: bool = Field(False, description="While a window is verified, draft the next one from the guess that "
-                                             "the whole window is kept (router/lookahead.py); a request may turn "
-                                             "it off, not on. Pays when a window's drafting takes less than its "
-                                             "verify and the pools do not share cores (docs/BENCHMARKS.md).")
+    overlap: bool | Literal["auto"] = Field(
+        "auto", description="While a window is verified, draft the next one from the guess that the whole window "
+                            "is kept (router/lookahead.py). 'auto': each router turns it on or off by the goodput "
+                            "it measures in both modes (router/goodput.py); it pays while the draft pool would "
+                            "idle during verifies (docs/BENCHMARKS.md). A request may fix it, unless it is false "
+                            "here.")
 
     _min_within_max = _at_most("min_k", "max_k")
     _k_within_max = _at_most("k", "max_k")

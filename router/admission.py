@@ -111,7 +111,8 @@ class Admission:
                               "speculation.k")
         if not (spec.enabled and wanted):
             return {"k": 0, "adaptive": False, "overlap": False}
-        overlap = spec.overlap and (options is None or options.overlap is not False)
+        asked = options.overlap if options is not None else None
+        overlap = False if spec.overlap is False or asked is False else (True if asked else spec.overlap)
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap}
 
 

@@ -45,6 +45,11 @@ _EMA = 0.03                 # weight of a new observation: about the last 30 rou
 _KEEP_CAP = 0.98
 _DECIDE_EVERY_ROUNDS = 16
 _SWITCH_GAIN = 1.05         # a new k must promise 5 % more goodput than the current one
+# Overlap on or off (OverlapChoice), in rounds of the router's sequences:
+_OVERLAP_DECIDE_EVERY = 32
+_OVERLAP_SETTLE = 8         # rounds after a switch that still carry the other mode's lookaheads
+_OVERLAP_STALE = 1024       # a mode not run for this long is run again (probed): load changes
+_OVERLAP_DECAY = 1 / 32
 
 
 class Ema:
@@ -86,10 +91,76 @@ class CostProfile:
         return self.fixed_ms + self.per_position_ms * rows * positions
 
 
+class OverlapChoice:
+    """Whether the router's sequences with `speculation.overlap: auto` draft ahead
+    (router/lookahead.py): the mode whose recent rounds yielded more tokens per millisecond
+    of round wall time.
+
+    Overlap pays when the draft pool would idle during verifies (few sequences, pools on
+    their own hardware) and costs when lookaheads, most of them missed, queue before the
+    drafts a round waits for or take cores from the target (docs/BENCHMARKS.md: +13 % at 1
+    client, -30 % at 8 on the 2-core CPU). No cost model predicts that contention well, so
+    both modes are measured: goodput_m = decayed sum of tokens / decayed sum of round ms over
+    mode m's rounds. Every _OVERLAP_DECIDE_EVERY rounds the mode in use changes when the other
+    promised _SWITCH_GAIN more, or when the other's measure is older than _OVERLAP_STALE
+    rounds (then it is run again, from scratch, to see whether the load changed). The first
+    _OVERLAP_SETTLE rounds after a switch are not counted: they finish the old mode's work."""
+
+    def __init__(self, start: bool = True):
+        self.on = start
+        self.tokens = {True: 0.0, False: 0.0}
+        self.ms = {True: 0.0, False: 0.0}
+        self.age = {True: math.inf, False: math.inf}   # rounds since a mode was last measured
+        self.switches = 0
+        self._settling = 0
+        self._rounds_since_decision = 0
+
+    def goodput(self, mode: bool) -> float | None:
+        """Tokens per ms of mode's measured rounds; None before any."""
+        return self.tokens[mode] / self.ms[mode] if self.ms[mode] > 0 else None
+
+    def observe(self, mode: bool, tokens: int, round_ms: float, decides: bool = True) -> None:
+        """A finished round with drafts, run with overlap `mode`; rounds of requests that fixed
+        overlap measure too, only `decides` rounds move the choice."""
+        if self._settling > 0:
+            self._settling -= 1
+        elif round_ms > 0:
+            self.tokens[mode] = (1 - _OVERLAP_DECAY) * self.tokens[mode] + tokens
+            self.ms[mode] = (1 - _OVERLAP_DECAY) * self.ms[mode] + round_ms
+            self.age[mode] = 0
+        self.age[not mode] += 1
+        self._rounds_since_decision += decides
+        if self._rounds_since_decision >= _OVERLAP_DECIDE_EVERY:
+            self._decide()
+
+    def _decide(self) -> None:
+        self._rounds_since_decision = 0
+        other = not self.on
+        now, alternative = self.goodput(self.on), self.goodput(other)
+        if self.age[other] > _OVERLAP_STALE:
+            self.tokens[other] = self.ms[other] = 0.0          # probe: measure it afresh
+            self._switch(other)
+        elif now is not None and alternative is not None and alternative > _SWITCH_GAIN * now:
+            self._switch(other)
+
+    def _switch(self, mode: bool) -> None:
+        self.on, self._settling = mode, _OVERLAP_SETTLE
+        self.switches += 1
+
+    def describe(self) -> dict:
+        return {"on": self.on, "switches": self.switches,
+                "tokens_per_s": {"on": _per_s(self.goodput(True)), "off": _per_s(self.goodput(False))}}
+
+
+def _per_s(per_ms: float | None) -> float | None:
+    return None if per_ms is None else round(per_ms * 1000, 2)
+
+
 class GoodputController:
     def __init__(self, min_k: int, max_k: int, start_k: int):
         self.min_k, self.max_k = min_k, max_k
         self.k = start_k                                              # what adaptive rounds use now
+        self.overlap = OverlapChoice()                                # what "auto" overlap rounds do now
         self.profiles: dict[str, CostProfile] = {}
         self.looked = [0.0] * (max_k + 1)      # decayed counts of rounds that looked at draft i
         self.kept = [0.0] * (max_k + 1)        # ... and kept it
@@ -174,7 +245,7 @@ class GoodputController:
                                     "without": self.coordination[False].value},
                 "slowdown": {pool: round(ema.get(1.0), 3) for pool, ema in self.slowdown.items()},
                 "profiles": {pool: vars(profile) for pool, profile in self.profiles.items()},
-                "tokens_per_s_by_k": table, "when": time.time()}
+                "tokens_per_s_by_k": table, "overlap": self.overlap.describe(), "when": time.time()}
 
     def _decide(self) -> None:
         self._rounds_since_decision = 0

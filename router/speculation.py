@@ -71,7 +71,8 @@ class Generation:
     seed: int
     k: int                     # draft tokens per round; 0 turns speculation off
     adaptive: bool = False     # choose k each round by goodput (router/goodput.py), k until it can
-    overlap: bool = False      # draft the next window while this one is verified (router/lookahead.py)
+    overlap: bool | str = False  # draft the next window while this one is verified (router/lookahead.py);
+                                 # "auto": as the router's OverlapChoice says (router/goodput.py)
 
 
 @dataclass
@@ -227,7 +228,8 @@ class SpeculationLoop:
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"))))
-        if gen.overlap and drafts:
+        overlap = self.goodput.overlap.on if gen.overlap == "auto" else gen.overlap
+        if overlap and drafts:
             stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
                                                  lookahead_size(k, cap - len(drafts) - 1), gen, stats.rounds)
         verdict = await verifying
@@ -244,10 +246,12 @@ class SpeculationLoop:
         stats.accepted_tokens += verdict.accepted
         stats.verify_batch_rows += verdict.batch_rows
         stats.model_ms += verdict.model_ms
-        stats.round_ms += (time.perf_counter() - started) * 1000
+        round_ms = (time.perf_counter() - started) * 1000
+        stats.round_ms += round_ms
         stats.retried_calls = self._retries[seq_id]
-        self.goodput.observe(len(drafts), verdict.accepted, (time.perf_counter() - started) * 1000,
-                             verdict, proposal, adaptive=gen.adaptive)
+        self.goodput.observe(len(drafts), verdict.accepted, round_ms, verdict, proposal, adaptive=gen.adaptive)
+        if drafts:
+            self.goodput.overlap.observe(bool(overlap), len(verdict.tokens), round_ms, decides=gen.overlap == "auto")
         return verdict.tokens
 
     async def _drafts_ahead(self, ahead: _Ahead, k: int, stats: SpeculationStats) -> Drafts | None:

@@ -92,3 +92,15 @@ def test_a_fixed_k_must_lie_within_the_operators_bounds(zoo, tokenizer):
         with pytest.raises(OpenAIError) as refused:
             admission.completion(parse_body(CompletionBody, body))
         assert refused.value.status == 400 and refused.value.param == "speculation.k"
+
+
+@pytest.mark.parametrize("server, asked, expected", [
+    ("auto", None, "auto"), ("auto", True, True), ("auto", False, False),
+    (True, None, True), (True, False, False),
+    (False, None, False), (False, True, False),       # never on where the operator turned it off
+])
+def test_overlap_is_the_routers_choice_unless_a_request_fixes_it(zoo, tokenizer, server, asked, expected):
+    config = cluster_config(zoo.target, zoo.drafts["perturbed"], speculation={"overlap": server})
+    speculation = {} if asked is None else {"overlap": asked}
+    body = json.dumps({"model": "specserve", "prompt": "x", "speculation": speculation}).encode()
+    assert Admission(config, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, body)).overlap == expected

@@ -1,5 +1,5 @@
 """`specserve bench` end to end against a served app: both load modes, every speculation mode
-(adaptive, fixed k, a k sweep, target-only) with repeats, every baseline, and the three
+(adaptive, fixed k, a k sweep, target-only, overlap on and off) with repeats, every baseline, and the three
 outputs (table, JSON with the documented keys, PNG)."""
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     assert code == 0
     report = json.loads(out.read_text())
     assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
-    assert report["closed_loop"][0]["modes"] == ["adaptive", "speculative", "target_only", "k=2"]
-    assert report["closed_loop"][1]["modes"] == ["adaptive", "speculative", "target_only"]
+    fixed = ["adaptive", "speculative", "target_only", "overlap", "no_overlap"]     # overlap: auto by default
+    assert report["closed_loop"][0]["modes"] == fixed + ["k=2"]
+    assert report["closed_loop"][1]["modes"] == fixed
+    for run in report["closed_loop"]:
+        assert run["no_overlap"]["lookahead_hit_rate"] == run["no_overlap"]["draft_hidden_share"] == 0.0
     for run in report["closed_loop"]:
         for mode in run["modes"]:
             assert len(run[mode]["output_tokens_per_s_runs"]) == 2       # --repeats 2

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.goodput import CostProfile, GoodputController
+from router.goodput import CostProfile, GoodputController, OverlapChoice
 
 
 @dataclass
@@ -98,3 +98,48 @@ def test_a_cost_profile_fit_recovers_a_linear_cost():
     fit = CostProfile.from_describe({"cost_profile_ms": table})
     assert fit.fixed_ms == pytest.approx(2.0) and fit.per_position_ms == pytest.approx(0.5)
     assert fit.forward_ms(8, 5) == pytest.approx(22.0)
+
+
+def overlap_rounds(choice: OverlapChoice, ms_by_mode: dict[bool, float], rounds: int, tokens: int = 3) -> int:
+    """Rounds whose wall time depends on the mode the choice picks; returns how many ran with
+    overlap on."""
+    on = 0
+    for _ in range(rounds):
+        mode = choice.on
+        on += mode
+        choice.observe(mode, tokens, ms_by_mode[mode])
+    return on
+
+
+def test_overlap_follows_the_faster_mode_and_follows_a_change_of_load():
+    choice = OverlapChoice(start=True)
+    # Few sequences: lookaheads hide drafting, rounds with overlap are shorter.
+    assert overlap_rounds(choice, {True: 10.0, False: 14.0}, 600) > 0.85 * 600
+    assert choice.on
+    # Many sequences: lookaheads queue before drafts, overlap rounds get longer. The measure
+    # of the mode in use falls below the other's and the choice turns within a few decisions.
+    on = overlap_rounds(choice, {True: 20.0, False: 14.0}, 600)
+    assert not choice.on and on < 0.25 * 600
+
+
+def test_overlap_probes_the_other_mode_rarely_and_does_not_flap_on_small_differences():
+    choice = OverlapChoice(start=False)
+    on = overlap_rounds(choice, {True: 14.0, False: 10.0}, 5000)
+    assert not choice.on
+    assert 0 < on < 0.1 * 5000                           # probed now and then, never kept
+    steady = OverlapChoice(start=True)
+    overlap_rounds(steady, {True: 10.0, False: 10.3}, 1000)   # 3 %: within the switching margin
+    assert steady.switches == 1                                 # the first probe, kept: not worth a switch back
+
+
+def test_rounds_of_requests_that_fix_overlap_measure_without_deciding():
+    choice = OverlapChoice(start=True)
+    for _ in range(500):
+        choice.observe(False, 3, 5.0, decides=False)     # a request that turned overlap off
+        choice.observe(True, 3, 10.0, decides=False)
+    assert choice.on and choice.switches == 0
+    assert choice.goodput(False) == pytest.approx(0.6) and choice.goodput(True) == pytest.approx(0.3)
+    choice.observe(True, 3, 10.0)
+    for _ in range(40):
+        choice.observe(choice.on, 3, 10.0 if choice.on else 5.0)
+    assert not choice.on

@@ -178,3 +178,27 @@ def test_the_draft_pool_serves_exactly_the_lookaheads_the_router_sent(apps):
     assert served() == before + on["lookaheads"]
     off = complete(apps["copy"], PROMPTS[1], max_tokens=48, speculation={"k": 3, "overlap": False})["speculation"]
     assert off["lookaheads"] == 0 and served() == before + on["lookaheads"]
+
+
+def test_auto_overlap_runs_both_modes_and_stays_exact(ray_serve, zoo, greedy_reference):
+    """With overlap: auto a router starts with lookaheads, tries rounds without them, and keeps
+    measuring both (router/goodput.py OverlapChoice); every output is the target's."""
+    from ray import serve
+
+    from tests.conftest import cluster_config, deploy
+
+    url = deploy(ray_serve, "auto-overlap", cluster_config(zoo.target, zoo.drafts["copy"],
+                                                           speculation={"overlap": "auto"}))
+    try:
+        router = serve.get_deployment_handle("router", app_name="auto-overlap")
+        sent = []
+        for i in range(12):            # 12 rounds a request (k 3, all kept): past the first probe
+            prompt = PROMPTS[i % len(PROMPTS)]
+            out = complete(url, prompt, max_tokens=48, speculation={"k": 3})
+            assert out["choices"][0]["token_ids"] == greedy_reference(prompt, 48)
+            sent.append(out["speculation"]["lookaheads"])
+        choice = router.describe.remote().result()["goodput"]["overlap"]
+        assert choice["switches"] >= 1 and None not in choice["tokens_per_s"].values()
+        assert sent[0] > 0 and 0 in sent      # requests ran in both modes
+    finally:
+        serve.delete("auto-overlap")

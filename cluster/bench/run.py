@@ -4,8 +4,9 @@ run, and compare with transformers' assisted generation and the analytic ideal.
     specserve bench --concurrency 1 8 16 32 --num-requests 16 --max-tokens 64 --repeats 2 --out bench.json
 
 Modes, in every load phase: `adaptive` (the server chooses k, when its config adapts),
-`speculative` (k fixed at --k), `target_only` (speculation off); at the first concurrency
-also every k of --sweep-k, fixed. Every phase runs max(--num-requests, 2 x concurrency)
+`speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
+off), and where the server may overlap drafting, `overlap` and `no_overlap` (k fixed, overlap
+fixed on and off); at the first concurrency also every k of --sweep-k, fixed. Every phase runs max(--num-requests, 2 x concurrency)
 requests; with --repeats N each mode runs N times, in turn with the others, and the report
 gives each mode's mean and the run's noise: the largest spread between repeats of one mode,
 relative to its mean. Without --url it starts the cluster of --config itself.
@@ -91,7 +92,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
     if config.speculation.adaptive:
         modes = {"adaptive": replace(speculative, speculation={}), **modes}
-    if config.speculation.overlap:   # the same k, drafting only after each verify
+    if config.speculation.overlap is not False:   # the same k, with lookaheads fixed on and fixed off
+        modes["overlap"] = replace(speculative, speculation={"k": k, "overlap": True})
         modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False})
     print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
           f"modes {', '.join(modes)}")
