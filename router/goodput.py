@@ -46,10 +46,10 @@ _KEEP_CAP = 0.98
 _DECIDE_EVERY_ROUNDS = 16
 _SWITCH_GAIN = 1.05         # a new k must promise 5 % more goodput than the current one
 # Overlap on or off (OverlapChoice), in rounds of the router's sequences:
-_OVERLAP_DECIDE_EVERY = 32
+_OVERLAP_DECIDE_EVERY = 64   # one stream's rounds vary 2-3x (hits, misses): decide on many
 _OVERLAP_SETTLE = 8         # rounds after a switch that still carry the other mode's lookaheads
-_OVERLAP_STALE = 1024       # a mode not run for this long is run again (probed): load changes
-_OVERLAP_DECAY = 1 / 32
+_OVERLAP_STALE = 2048       # a mode not run for this long is run again (probed): load changes
+_OVERLAP_DECAY = 1 / 64
 
 
 class Ema:
@@ -120,8 +120,9 @@ class OverlapChoice:
         return self.tokens[mode] / self.ms[mode] if self.ms[mode] > 0 else None
 
     def observe(self, mode: bool, tokens: int, round_ms: float, decides: bool = True) -> None:
-        """A finished round with drafts, run with overlap `mode`; rounds of requests that fixed
-        overlap measure too, only `decides` rounds move the choice."""
+        """A finished round with drafts, after the first of its request (which no lookahead
+        can serve, and whose prefill would swamp the measure), run with overlap `mode`; rounds
+        of requests that fixed overlap measure too, only `decides` rounds move the choice."""
         if self._settling > 0:
             self._settling -= 1
         elif round_ms > 0:

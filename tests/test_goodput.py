@@ -140,6 +140,6 @@ def test_rounds_of_requests_that_fix_overlap_measure_without_deciding():
     assert choice.on and choice.switches == 0
     assert choice.goodput(False) == pytest.approx(0.6) and choice.goodput(True) == pytest.approx(0.3)
     choice.observe(True, 3, 10.0)
-    for _ in range(40):
+    for _ in range(80):                                  # one decision later
         choice.observe(choice.on, 3, 10.0 if choice.on else 5.0)
     assert not choice.on

@@ -192,7 +192,7 @@ def test_auto_overlap_runs_both_modes_and_stays_exact(ray_serve, zoo, greedy_ref
     try:
         router = serve.get_deployment_handle("router", app_name="auto-overlap")
         sent = []
-        for i in range(12):            # 12 rounds a request (k 3, all kept): past the first probe
+        for i in range(16):            # 12 rounds a request (k 3, all kept): past the first probe
             prompt = PROMPTS[i % len(PROMPTS)]
             out = complete(url, prompt, max_tokens=48, speculation={"k": 3})
             assert out["choices"][0]["token_ids"] == greedy_reference(prompt, 48)
