@@ -221,7 +221,7 @@ class SpeculationConfig(Strict):
     k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off, or until the "
                                         "replicas' cost profiles are known.")
     overlap: bool | Literal["auto"] = Field(
-        "auto", description="While a window is verified, draft the next one from the guess that the whole window "
+        False, description="While a window is verified, draft the next one from the guess that the whole window "
                             "is kept (router/lookahead.py). 'auto': each router turns it on or off by the goodput "
                             "it measures in both modes (router/goodput.py); it pays while the draft pool would "
                             "idle during verifies (docs/BENCHMARKS.md). A request may fix it, unless it is false "

@@ -48,7 +48,7 @@ _SWITCH_GAIN = 1.05         # a new k must promise 5 % more goodput than the cur
 # Overlap on or off (OverlapChoice), in rounds of the router's sequences:
 _OVERLAP_DECIDE_EVERY = 64   # one stream's rounds vary 2-3x (hits, misses): decide on many
 _OVERLAP_SETTLE = 8         # rounds after a switch that still carry the other mode's lookaheads
-_OVERLAP_STALE = 2048       # a mode not run for this long is run again (probed): load changes
+_OVERLAP_STALE = 512        # a mode not run for this long is run again (probed): load changes
 _OVERLAP_DECAY = 1 / 64
 
 
@@ -98,13 +98,20 @@ class OverlapChoice:
 
     Overlap pays when the draft pool would idle during verifies (few sequences, pools on
     their own hardware) and costs when lookaheads, most of them missed, queue before the
-    drafts a round waits for or take cores from the target (docs/BENCHMARKS.md: +13 % at 1
+    drafts a round waits for or take cores from the target (docs/BENCHMARKS.md: +8-13 % at 1
     client, -30 % at 8 on the 2-core CPU). No cost model predicts that contention well, so
     both modes are measured: goodput_m = decayed sum of tokens / decayed sum of round ms over
     mode m's rounds. Every _OVERLAP_DECIDE_EVERY rounds the mode in use changes when the other
     promised _SWITCH_GAIN more, or when the other's measure is older than _OVERLAP_STALE
-    rounds (then it is run again, from scratch, to see whether the load changed). The first
-    _OVERLAP_SETTLE rounds after a switch are not counted: they finish the old mode's work."""
+    rounds (then it is run again, from scratch, to see whether the load changed). A measure
+    taken under another load can mislead one decision; the next corrects it, since the mode
+    then runs is measured afresh. The first _OVERLAP_SETTLE rounds after a switch are not
+    counted: they finish the old mode's work. Probing costs about 64 of every 576 rounds in
+    the worse mode.
+
+    Measured on the 2-core CPU (docs/BENCHMARKS.md): at 8 clients it settles on off; at one
+    client the two modes differ by less than its measure's noise (prefill rounds, hits and
+    misses), so it may settle on either, and `speculation.overlap` is off by default."""
 
     def __init__(self, start: bool = True):
         self.on = start
@@ -120,9 +127,9 @@ class OverlapChoice:
         return self.tokens[mode] / self.ms[mode] if self.ms[mode] > 0 else None
 
     def observe(self, mode: bool, tokens: int, round_ms: float, decides: bool = True) -> None:
-        """A finished round with drafts, after the first of its request (which no lookahead
-        can serve, and whose prefill would swamp the measure), run with overlap `mode`; rounds
-        of requests that fixed overlap measure too, only `decides` rounds move the choice."""
+        """A finished round with drafts, run with overlap `mode` (a request's first round too:
+        where lookaheads fill the pools, prefills wait); rounds of requests that fixed overlap
+        measure too, only `decides` rounds move the choice."""
         if self._settling > 0:
             self._settling -= 1
         elif round_ms > 0:

@@ -250,7 +250,7 @@ class SpeculationLoop:
         stats.round_ms += round_ms
         stats.retried_calls = self._retries[seq_id]
         self.goodput.observe(len(drafts), verdict.accepted, round_ms, verdict, proposal, adaptive=gen.adaptive)
-        if drafts and stats.rounds > 1:
+        if drafts:
             self.goodput.overlap.observe(bool(overlap), len(verdict.tokens), round_ms, decides=gen.overlap == "auto")
         return verdict.tokens
 

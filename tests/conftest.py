@@ -56,7 +56,7 @@ def cluster_config(target: Path, draft: Path, **sections) -> ClusterConfig:
         "models": {"target": {"path": str(target)}, "draft": {"path": str(draft)}},
         "pools": {"router": small, "draft": small, "target": small},
         "limits": {"max_tokens": 256, "default_max_tokens": 16, "context_length": 512},
-        # Overlapped drafting fixed on (by default each router chooses): every exactness,
+        # Overlapped drafting fixed on (it is off by default): every exactness,
         # concurrency and failover test through HTTP runs with lookaheads in flight.
         "speculation": {"overlap": True},
     }

@@ -15,7 +15,7 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({
         "models": {"target": {"path": str(zoo.target)}, "draft": {"path": str(zoo.drafts["perturbed"])}},
-        "limits": {"context_length": 512}, "speculation": {"k": 4}}))
+        "limits": {"context_length": 512}, "speculation": {"k": 4, "overlap": "auto"}}))
     out = tmp_path / "bench.json"
     code = main(["bench", "--url", apps["perturbed"], "--config", str(config), "--concurrency", "1", "3",
                  "--request-rate", "20", "--num-requests", "3", "--max-tokens", "12", "--prompt-tokens", "16",
@@ -23,7 +23,7 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     assert code == 0
     report = json.loads(out.read_text())
     assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
-    fixed = ["adaptive", "speculative", "target_only", "overlap", "no_overlap"]     # overlap: auto by default
+    fixed = ["adaptive", "speculative", "target_only", "overlap", "no_overlap"]     # where overlap may be on
     assert report["closed_loop"][0]["modes"] == fixed + ["k=2"]
     assert report["closed_loop"][1]["modes"] == fixed
     for run in report["closed_loop"]:
