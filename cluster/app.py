@@ -12,7 +12,7 @@ from cluster.autoscaling import pool_autoscaling, router_autoscaling
 from cluster.config import ClusterConfig, DraftPoolConfig, TargetPoolConfig
 from replicas.deployments import DraftPool, TargetPool
 from router.ingress import Router
-from router.routing import CACHE_AFFINITY
+from router.routing import CACHE_AFFINITY, lane_count
 
 APP_NAME = "specserve"
 # Router slots beyond its gate's running and queued requests, for health checks, model
@@ -28,8 +28,15 @@ def build_app(config: ClusterConfig) -> Application:
     channel_key = secrets.token_bytes(32)
     draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(
         config.models.draft, pools.draft, config.limits.context_length, channel_key)
-    target = TargetPool.options(**_model_pool_options(pools.target)).bind(
-        config.models.target, pools.target, config.limits.context_length, channel_key)
+    if pools.target.engine == "vllm":
+        from replicas.vllm_target import VllmTargetPool   # imports vLLM only where the replica runs
+
+        target = VllmTargetPool.options(**_model_pool_options(pools.target)).bind(
+            config.models.target, pools.target, config.limits.context_length, channel_key, draft,
+            config.speculation.k, lane_count(pools), pools.draft.call_timeout_ms / 1000)
+    else:
+        target = TargetPool.options(**_model_pool_options(pools.target)).bind(
+            config.models.target, pools.target, config.limits.context_length, channel_key)
     router = pools.router
     return Router.options(
         **_replica_count(router, router_autoscaling),

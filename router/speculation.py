@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from replicas.direct_channel import ChannelBroken
-from replicas.protocol import Proposal, ProposeRequest, RowError, VerifyRequest
+from replicas.protocol import GenerateRequest, Proposal, ProposeRequest, RowError, VerifyRequest
 from replicas.sampling import SamplingParams
 from router.fallback import DraftAvailability
 from router.direct_routes import DirectRoutes
@@ -161,7 +161,10 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
                  goodput: GoodputController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
-                 channel_key: bytes | None = None):
+                 channel_key: bytes | None = None, engine_rounds: bool = False):
+        """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
+        draft pool on its own, replicas/vllm_target.py): a request streams from it."""
+        self.engine_rounds = engine_rounds
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
@@ -194,21 +197,51 @@ class SpeculationLoop:
         self.gatherer.begin(lane, seq_id)
         self._running.add(seq_id)
         ahead = _Ahead()
+        chunks = (self._engine_rounds(seq_id, gen, stats) if self.engine_rounds
+                  else self._rounds(lane, seq_id, tokens, gen, stats, ahead))
         try:
-            while True:
-                new_tokens = await self._round(lane, seq_id, tokens, gen, stats, ahead)
+            async for new_tokens in chunks:
                 delta = self._emit(new_tokens, progress, gen)
                 tokens.extend(delta.token_ids)
                 yield delta
                 if delta.finish_reason:
                     return
+            # The engine ended the request on a stop token of its own.
+            progress.stops.add(progress.text.flush())
+            yield Delta(progress.stops.release(final=True), [], "stop")
         finally:
+            await chunks.aclose()
             self._running.discard(seq_id)
             self.gatherer.finish(lane, seq_id)
             self._retries.pop(seq_id, None)
             self._release(lane, seq_id, "draft", "target")
             if ahead.task is not None:   # it would cache the sequence again on the draft replica
                 ahead.task.add_done_callback(lambda _: self._release(lane, seq_id, "draft"))
+
+    async def _rounds(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
+                      stats: SpeculationStats, ahead: _Ahead) -> AsyncIterator[list[int]]:
+        while True:
+            yield await self._round(lane, seq_id, tokens, gen, stats, ahead)
+
+    async def _engine_rounds(self, seq_id: str, gen: Generation, stats: SpeculationStats) -> AsyncIterator[list[int]]:
+        """The target engine's stream of new token ids; each piece is one of its steps (its
+        accepted drafts and its own token), a piece late by more than the target's call
+        timeout fails the request. Leaving early aborts the request there."""
+        request = GenerateRequest(seq_id, list(gen.prompt_ids), gen.max_tokens, gen.sampling, gen.seed,
+                                  tuple(sorted(self.eos_token_ids)))
+        response = self.pools["target"].options(stream=True).generate.remote(request)
+        try:
+            while True:
+                started = time.perf_counter()
+                try:
+                    new_tokens = await asyncio.wait_for(response.__anext__(), self.timeouts.target_s)
+                except StopAsyncIteration:
+                    return
+                stats.rounds += 1
+                stats.round_ms += (time.perf_counter() - started) * 1000
+                yield new_tokens
+        finally:
+            response.cancel()
 
     async def _round(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
                      stats: SpeculationStats, ahead: _Ahead) -> list[int]:

@@ -1,0 +1,125 @@
+"""The target pool on vLLM (`pools.target.engine: vllm`): a Serve replica holding vLLM's
+AsyncLLM, whose speculative proposals come from specserve's separate draft pool.
+
+With this engine a request's rounds run inside vLLM: its scheduler batches the running
+requests continuously, its worker asks the `custom_class` proposer (replicas/vllm_proposer.py)
+for k drafts per request each step, verifies them in one forward pass and applies its
+rejection sampler. The router streams the tokens (`generate`) and does the rest as for any
+engine: admission, stop strings, text, limits, the OpenAI protocol.
+
+This replica tells the proposer where the draft replicas are: every ROUTES_TTL_S it asks the
+draft pool, through handles with each lane's session id (router/routing.py), for their
+direct-channel addresses, and writes them to a file the proposer rereads. A draft replica
+that dies or is replaced costs the steps until then their drafts, never an answer.
+
+Only this module and replicas/vllm_proposer.py know vLLM, and only this one imports it: it is
+the optional extra `specserve[vllm]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from typing import AsyncIterator
+
+from ray import serve
+
+from cluster.config import ModelSpec, TargetPoolConfig
+from replicas.protocol import GenerateRequest
+from replicas.vllm_proposer import KEY_ENV, ROUTES_ENV, TIMEOUT_ENV
+
+logger = logging.getLogger("ray.serve")
+ROUTES_TTL_S = 2.0
+PROPOSER = "replicas.vllm_proposer.RemoteDraftProposer"
+
+
+def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: int):
+    """vLLM's engine arguments for the target model, speculating k tokens from the draft pool."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=str(spec.path), tokenizer=str(spec.path), dtype=spec.dtype, max_model_len=max_seq_len,
+        tensor_parallel_size=pool.tp_size, gpu_memory_utilization=pool.vllm.memory_utilization, seed=0,
+        speculative_config={"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k})
+
+
+def sampling_params(request: GenerateRequest):
+    from vllm import SamplingParams
+
+    sampling = request.sampling
+    return SamplingParams(max_tokens=request.max_tokens, temperature=sampling.temperature,
+                          top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=request.seed,
+                          stop_token_ids=list(request.stop_token_ids), detokenize=False)
+
+
+def speculation_counters() -> dict[str, float]:
+    """vLLM's speculative decoding counters in this process: draft tokens it verified and
+    those it accepted, over all requests so far."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    names = {"vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+    found = {names[m.name]: m.value for m in get_metrics_snapshot() if m.name in names}
+    return {key: float(found.get(key, 0.0)) for key in names.values()}
+
+
+@serve.deployment(name="target")
+class VllmTargetPool:
+    def __init__(self, spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, channel_key: bytes,
+                 draft, k: int, lanes: int, draft_timeout_s: float):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.draft, self.lanes = draft, lanes
+        self.routes_path = os.path.join(tempfile.mkdtemp(prefix="specserve-"), "draft_routes.json")
+        # vLLM's workers are started below and inherit these: the proposer reads them there.
+        os.environ.update({ROUTES_ENV: self.routes_path, KEY_ENV: channel_key.hex(),
+                           TIMEOUT_ENV: str(draft_timeout_s), "VLLM_CPU_KVCACHE_SPACE": str(pool.vllm.cpu_kv_cache_gib)})
+        self.draft_routes: list[tuple[str, int]] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._refresh_routes, name="specserve-draft-routes", daemon=True).start()
+        logger.info("starting vLLM for %s (tp_size %d, k %d, drafts from the draft pool)", spec.path, pool.tp_size, k)
+        self.engine = AsyncLLM.from_engine_args(engine_args(spec, pool, max_seq_len, k))
+        self.running = 0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[int]]:
+        """The request's new token ids as vLLM produces them (each step: the accepted drafts
+        and one token of the target's). A caller that goes away aborts the request."""
+        sent = 0
+        self.running += 1
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": list(request.prompt_ids)},
+                                                     sampling_params(request), request.seq_id):
+                ids = output.outputs[0].token_ids
+                if len(ids) > sent:
+                    yield list(ids[sent:])
+                    sent = len(ids)
+        finally:
+            self.running -= 1
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"active_sequences": float(self.running)}
+
+    async def describe(self, seq_id: str | None = None) -> dict:
+        return {"pid": os.getpid(), "engine": "vllm", "running": self.running, "draft_routes": self.draft_routes,
+                "speculation": speculation_counters(), "holds": None}
+
+    def _refresh_routes(self) -> None:
+        while not self._stop.wait(0 if not self.draft_routes else ROUTES_TTL_S):
+            try:
+                found = {tuple(self.draft.options(session_id=f"lane-{lane}").channel_address.remote().result(
+                    timeout_s=10)) for lane in range(self.lanes)}
+            except Exception:  # noqa: BLE001 - the draft pool is down or starting: keep what was known
+                logger.info("no draft routes yet", exc_info=True)
+                self._stop.wait(ROUTES_TTL_S)
+                continue
+            self.draft_routes = sorted(found)
+            staged = self.routes_path + ".new"
+            with open(staged, "w") as handle:
+                json.dump([list(address) for address in self.draft_routes], handle)
+            os.replace(staged, self.routes_path)
+
+    def __del__(self):
+        self._stop.set()
