@@ -233,7 +233,7 @@ class SpeculationConfig(Strict):
     max_k: int = Field(8, ge=1, description="Largest k a request may ask for or the adaptive choice make.")
     k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off, or until the "
                                         "replicas' cost profiles are known.")
-    overlap: bool | Literal["auto"] = Field(
+    overlap: Literal[False, True, "auto"] = Field(
         False, description="While a window is verified, draft the next one from the guess that the whole window "
                             "is kept (router/lookahead.py). 'auto': each router turns it on or off by the goodput "
                             "it measures in both modes (router/goodput.py); it pays while the draft pool would "

