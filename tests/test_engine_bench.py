@@ -41,3 +41,20 @@ def test_a_named_size_has_the_shape_of_its_model():
     hidden, vocab, mlp, kv = 8192, 128256, 28672, 8 * 128
     layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp + 2 * hidden   # attention, MLP, 2 norms
     assert weight_bytes(model) == 2 * (2 * vocab * hidden + layer + hidden)          # bf16, embeddings, lm_head, norm
+
+
+def test_acceptance_rules_keep_what_their_formulas_say():
+    """A draft identical to the target: drafts sampled with q are always kept; greedy drafts
+    judged one-hot are kept with the target's top probability, less than 1."""
+    import torch
+
+    from cluster.bench.acceptance_rules import keep_rates
+    from training.tiny_models import tiny_llama
+
+    model = tiny_llama("target", 64, eos_token_id=0, seed=3)
+    prompts = [[(7 * i + 3 * j) % 63 + 1 for j in range(40)] for i in range(3)]
+    rates = keep_rates(model, model, prompts, temperature=1.0)
+    with torch.inference_mode():
+        top = torch.cat([torch.softmax(model(torch.tensor([p])).logits[0, 20:], -1).max(-1).values for p in prompts])
+    assert rates["sampled_draft_with_q"] == 1.0
+    assert rates["greedy_draft_one_hot"] == round(top.mean().item(), 4) < 1.0
