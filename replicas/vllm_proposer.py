@@ -63,6 +63,8 @@ class RemoteDraftProposer:
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, *args, **kwargs) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        if not _first_rank():      # every tensor-parallel rank has a proposer; vLLM uses rank 0's
+            return drafts
         try:
             rows = [i for i, sampled in enumerate(sampled_token_ids)
                     if len(sampled) and int(num_tokens_no_spec[i]) + self.k < self.max_model_len]
@@ -117,6 +119,15 @@ class RemoteDraftProposer:
             except (OSError, ValueError):
                 pass   # not written yet, or being replaced: keep what was known
         return self._addresses
+
+
+def _first_rank() -> bool:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:  # noqa: BLE001 - no tensor parallelism set up (one process): the only rank
+        return True
 
 
 def _sequence_id(tokens: list[int]) -> str:

@@ -111,3 +111,4 @@ def test_killing_the_draft_pool_mid_stream_completes_every_request_exactly(vllm_
     assert sorted(results) == list(range(len(prompts)))
     for i, reference in enumerate(vllm_alone):
         assert_matches(reference, results[i])
+
