@@ -12,7 +12,7 @@ from cluster.autoscaling import pool_autoscaling, router_autoscaling
 from cluster.config import ClusterConfig, DraftPoolConfig, TargetPoolConfig
 from replicas.deployments import DraftPool, TargetPool
 from router.ingress import Router
-from router.routing import CACHE_AFFINITY, lane_count
+from router.routing import CACHE_AFFINITY, lane_count, lane_name
 
 APP_NAME = "specserve"
 # Router slots beyond its gate's running and queued requests, for health checks, model
@@ -33,7 +33,7 @@ def build_app(config: ClusterConfig) -> Application:
 
         target = VllmTargetPool.options(**_model_pool_options(pools.target)).bind(
             config.models.target, pools.target, config.limits.context_length, channel_key, draft,
-            config.speculation.k, lane_count(pools), pools.draft.call_timeout_ms / 1000)
+            config.speculation.k, [lane_name(i) for i in range(lane_count(pools))], pools.draft.call_timeout_ms / 1000)
     else:
         target = TargetPool.options(**_model_pool_options(pools.target)).bind(
             config.models.target, pools.target, config.limits.context_length, channel_key)

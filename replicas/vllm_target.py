@@ -69,7 +69,9 @@ def speculation_counters() -> dict[str, float]:
 @serve.deployment(name="target")
 class VllmTargetPool:
     def __init__(self, spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, channel_key: bytes,
-                 draft, k: int, lanes: int, draft_timeout_s: float):
+                 draft, k: int, lanes: list[str], draft_timeout_s: float):
+        """lanes: the session ids the routers' calls carry (router/routing.py); asked with each,
+        the draft pool names every replica a lane is routed to."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.draft, self.lanes = draft, lanes
@@ -109,8 +111,8 @@ class VllmTargetPool:
     def _refresh_routes(self) -> None:
         while not self._stop.wait(0 if not self.draft_routes else ROUTES_TTL_S):
             try:
-                found = {tuple(self.draft.options(session_id=f"lane-{lane}").channel_address.remote().result(
-                    timeout_s=10)) for lane in range(self.lanes)}
+                found = {tuple(self.draft.options(session_id=lane).channel_address.remote().result(timeout_s=10))
+                         for lane in self.lanes}
             except Exception:  # noqa: BLE001 - the draft pool is down or starting: keep what was known
                 logger.info("no draft routes yet", exc_info=True)
                 self._stop.wait(ROUTES_TTL_S)

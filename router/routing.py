@@ -32,4 +32,8 @@ def lane_count(pools: PoolsConfig) -> int:
 
 def lane_of(seq_id: str, lanes: int) -> str:
     """The session id of a sequence's calls; the same in every router process."""
-    return f"lane-{zlib.crc32(seq_id.encode()) % lanes}"
+    return lane_name(zlib.crc32(seq_id.encode()) % lanes)
+
+
+def lane_name(index: int) -> str:
+    return f"lane-{index}"

@@ -210,13 +210,15 @@ class SpeculationLoop:
             progress.stops.add(progress.text.flush())
             yield Delta(progress.stops.release(final=True), [], "stop")
         finally:
-            await chunks.aclose()
+            # Nothing awaited before the caches are released: a request cancelled again while
+            # it unwinds must not leave them held.
             self._running.discard(seq_id)
             self.gatherer.finish(lane, seq_id)
             self._retries.pop(seq_id, None)
             self._release(lane, seq_id, "draft", "target")
             if ahead.task is not None:   # it would cache the sequence again on the draft replica
                 ahead.task.add_done_callback(lambda _: self._release(lane, seq_id, "draft"))
+            await chunks.aclose()        # an engine's stream: abort the request there now
 
     async def _rounds(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
                       stats: SpeculationStats, ahead: _Ahead) -> AsyncIterator[list[int]]:
@@ -294,11 +296,13 @@ class SpeculationLoop:
         order every time, and a seed gives the same sample (logits computed over a cached
         prefix differ in the last bits from logits computed afresh)."""
         task, drafts, verdict = ahead.task, ahead.drafts, ahead.verdict
-        ahead.discard()
         if task is None:
             return None
         stats.lookaheads_checked += 1
-        lookahead = await task
+        # Shielded, and forgotten only once done: a request cancelled meanwhile leaves the
+        # lookahead to finish, and its cleanup frees the draft cache after it (in `run`).
+        lookahead = await asyncio.shield(task)
+        ahead.discard()
         if k == 0 or lookahead is None:
             return None
         ready = usable_drafts(drafts, verdict, lookahead, k)

@@ -103,30 +103,39 @@ def test_rounds_go_direct_once_the_route_is_known(apps, greedy_reference):
 
 @pytest.fixture(scope="module")
 def killable(ray_serve, zoo):
-    url = deploy(ray_serve, "direct-kill", cluster_config(zoo.target, zoo.drafts["perturbed"]))
+    # A draft the target seldom agrees with: about one token a round, so streams are still
+    # running when the replica is killed, however fast the engine.
+    url = deploy(ray_serve, "direct-kill", cluster_config(zoo.target, zoo.drafts["unrelated"]))
     yield url
     serve.delete("direct-kill")
 
 
 def test_killing_the_target_replica_mid_stream_completes_every_stream_exactly(killable, greedy_reference):
-    prompts, max_tokens = PROMPTS[:4], 200
+    prompts, max_tokens = PROMPTS[:4], 240
     complete(killable, prompts[0], max_tokens=4)        # routes known before the streams start
     target = serve.get_deployment_handle("target", app_name="direct-kill")
+    router = serve.get_deployment_handle("router", app_name="direct-kill")
     pid = target.describe.remote().result()["pid"]
-    streaming = threading.Barrier(len(prompts) + 1)
+    paths = router.describe.remote().result()["call_paths"]
+    streaming = threading.Semaphore(0)
 
     def stream(prompt):
+        # Reads on after its first chunk: a client that stopped reading would hold the
+        # router's stream back, and no call would be in flight when the replica dies.
         chunks = stream_chunks(killable, prompt, max_tokens=max_tokens, speculation={"k": 2})
         first = next(chunks)
-        streaming.wait()
+        streaming.release()
         return reassemble(itertools.chain([first], chunks))
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(stream, prompt) for prompt in prompts]
-        streaming.wait(timeout=60)
+        for _ in prompts:
+            assert streaming.acquire(timeout=60)
         os.kill(pid, signal.SIGKILL)
         results = [future.result(timeout=180) for future in futures]
     for prompt, out in zip(prompts, results):
         assert out["choices"][0]["token_ids"] == greedy_reference(prompt, max_tokens), prompt
     assert target.describe.remote().result()["pid"] != pid
-    assert sum(out["speculation"]["retried_calls"] for out in results) >= 1
+    # The broken channel's calls went by handle: those in flight as retries, the next ones
+    # because the channel was down (whether a retry is counted depends on the moment).
+    assert router.describe.remote().result()["call_paths"].get("handle", 0) > paths.get("handle", 0)
