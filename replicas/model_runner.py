@@ -155,7 +155,6 @@ class ModelRunner:
         return [Extension(rows_logits, positions_fed=len(call.tokens) - reuse[call.seq_id], batch_rows=len(calls),
                           batch_positions=batch_positions) for call, rows_logits in zip(calls, per_call)]
 
-
     def _module_decoder(self, input_ids, positions, mask, window: BatchWindow) -> torch.Tensor:
         if self.model.config._attn_implementation != "sdpa":     # eager attention adds its mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(

@@ -83,11 +83,12 @@ class RemoteDraftProposer:
         if not addresses or not self.key:
             return {}
         by_replica: dict[tuple[str, int], list[int]] = {}
+        calls: dict[tuple[str, int], list[ProposeRequest]] = {}
         for i, tokens in contexts.items():
             seq_id = _sequence_id(tokens)
-            by_replica.setdefault(addresses[int(seq_id[-8:], 16) % len(addresses)], []).append(i)
-        calls = {address: [ProposeRequest(_sequence_id(contexts[i]), contexts[i], self.k, GREEDY, seed=0)
-                           for i in rows] for address, rows in by_replica.items()}
+            address = addresses[int(seq_id[-8:], 16) % len(addresses)]
+            by_replica.setdefault(address, []).append(i)
+            calls.setdefault(address, []).append(ProposeRequest(seq_id, tokens, self.k, GREEDY, seed=0))
         self.calls += 1
         answers = asyncio.run_coroutine_threadsafe(self._call_all(calls), self._loop).result(self.timeout_s)
         found = {}

@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from typing import AsyncIterator
 
 from ray import serve
@@ -80,7 +81,6 @@ class VllmTargetPool:
         os.environ.update({ROUTES_ENV: self.routes_path, KEY_ENV: channel_key.hex(),
                            TIMEOUT_ENV: str(draft_timeout_s), "VLLM_CPU_KVCACHE_SPACE": str(pool.vllm.cpu_kv_cache_gib)})
         self.draft_routes: list[tuple[str, int]] = []
-        self._stop = threading.Event()
         threading.Thread(target=self._refresh_routes, name="specserve-draft-routes", daemon=True).start()
         logger.info("starting vLLM for %s (tp_size %d, k %d, drafts from the draft pool)", spec.path, pool.tp_size, k)
         self.engine = AsyncLLM.from_engine_args(engine_args(spec, pool, max_seq_len, k))
@@ -109,19 +109,17 @@ class VllmTargetPool:
                 "speculation": speculation_counters(), "holds": None}
 
     def _refresh_routes(self) -> None:
-        while not self._stop.wait(0 if not self.draft_routes else ROUTES_TTL_S):
+        """For the life of the replica (a daemon thread)."""
+        while True:
             try:
                 found = {tuple(self.draft.options(session_id=lane).channel_address.remote().result(timeout_s=10))
                          for lane in self.lanes}
             except Exception:  # noqa: BLE001 - the draft pool is down or starting: keep what was known
                 logger.info("no draft routes yet", exc_info=True)
-                self._stop.wait(ROUTES_TTL_S)
-                continue
-            self.draft_routes = sorted(found)
-            staged = self.routes_path + ".new"
-            with open(staged, "w") as handle:
-                json.dump([list(address) for address in self.draft_routes], handle)
-            os.replace(staged, self.routes_path)
-
-    def __del__(self):
-        self._stop.set()
+            else:
+                self.draft_routes = sorted(found)
+                staged = self.routes_path + ".new"
+                with open(staged, "w") as handle:
+                    json.dump([list(address) for address in self.draft_routes], handle)
+                os.replace(staged, self.routes_path)
+            time.sleep(ROUTES_TTL_S)

@@ -112,7 +112,7 @@ class Admission:
         if not (spec.enabled and wanted):
             return {"k": 0, "adaptive": False, "overlap": False}
         asked = options.overlap if options is not None else None
-        overlap = False if spec.overlap is False or asked is False else (True if asked else spec.overlap)
+        overlap = spec.overlap if asked is None or spec.overlap is False else asked
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap}
 
 
