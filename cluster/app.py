@@ -19,6 +19,9 @@ APP_NAME = "specserve"
 # listings and the gate's own refusals (a fraction of a millisecond each): with 64, a burst of
 # 400 clients on the default cluster overflowed into Serve's plain-text 429s at the proxy.
 CONTROL_HEADROOM = 1024
+# A dead vLLM engine fails every request its replica takes until Serve replaces the replica,
+# after three failed health checks: at Serve's default period (10 s) that is half a minute.
+VLLM_HEALTH_CHECK_PERIOD_S = 2.0
 
 
 def build_app(config: ClusterConfig) -> Application:
@@ -31,7 +34,8 @@ def build_app(config: ClusterConfig) -> Application:
     if pools.target.engine == "vllm":
         from replicas.vllm_target import VllmTargetPool   # imports vLLM only where the replica runs
 
-        target = VllmTargetPool.options(**_model_pool_options(pools.target)).bind(
+        target = VllmTargetPool.options(**_model_pool_options(pools.target),
+                                        health_check_period_s=VLLM_HEALTH_CHECK_PERIOD_S).bind(
             config.models.target, pools.target, config.limits.context_length, channel_key, draft,
             config.speculation.k, [lane_name(i) for i in range(lane_count(pools))], pools.draft.call_timeout_ms / 1000)
     else:
@@ -54,8 +58,13 @@ def _model_pool_options(pool: DraftPoolConfig | TargetPoolConfig) -> dict:
     """A model pool's Serve options. A replica of tp_size shards reserves them together: one
     placement group bundle per shard, STRICT_PACK so that all are on one node; the replica
     (rank 0) runs in bundle 0 and starts the other shards in bundles 1.. (replicas/shard_group.py)."""
+    actor = pool.resources.ray_actor_options()
+    if pool.engine == "vllm" and pool.tp_size > 1:
+        # vLLM's own workers hold the shards' GPUs (replicas/vllm_target.py): the replica
+        # in bundle 0 keeps its CPUs and leaves that bundle's GPU to its worker.
+        actor["num_gpus"] = 0
     options = {**_replica_count(pool, pool_autoscaling), "max_ongoing_requests": pool.max_ongoing_requests,
-               "request_router_config": CACHE_AFFINITY, "ray_actor_options": pool.resources.ray_actor_options()}
+               "request_router_config": CACHE_AFFINITY, "ray_actor_options": actor}
     if pool.tp_size > 1:
         options["placement_group_bundles"] = [pool.resources.bundle()] * pool.tp_size
         options["placement_group_strategy"] = "STRICT_PACK"

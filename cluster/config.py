@@ -188,15 +188,6 @@ class TargetPoolConfig(_ModelPoolConfig):
                                    "needs the specserve[vllm] extra on the target's nodes).")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="Used with engine: vllm.")
     batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)
-
-    @model_validator(mode="after")
-    def vllm_in_one_process_group(self):
-        # vLLM's tensor parallelism works with the draft pool's proposer outside Serve (tp 2 on
-        # this CPU, identical output), but inside a Serve replica its workers did not come up.
-        if self.engine == "vllm" and self.tp_size > 1:
-            raise ValueError("engine: vllm runs with tp_size 1 for now: vLLM's own tensor parallelism inside a "
-                             "Serve replica is not working yet (README.md, 'The target on vLLM')")
-        return self
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
     call_timeout_s: float = Field(
         60.0, gt=0, description="A verify call unanswered after this, retries on other (or replaced) "

@@ -33,6 +33,7 @@ import os
 import threading
 import time
 
+from replicas import vllm_cpu_fixes
 from replicas.direct_channel import ChannelClient
 from replicas.protocol import Proposal, ProposeRequest
 from replicas.sampling import GREEDY
@@ -45,6 +46,7 @@ _SEQ_ID_TOKENS = 64        # the leading tokens that name a row's sequence in th
 
 class RemoteDraftProposer:
     def __init__(self, vllm_config):
+        vllm_cpu_fixes.install()     # built in each worker before its first step: in time
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len

