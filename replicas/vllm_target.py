@@ -56,8 +56,8 @@ def executor_backend(pool: TargetPoolConfig) -> str | None:
     """How vLLM starts its tensor-parallel workers (Ray Serve LLM chooses the same way). On
     GPUs, as Ray actors in the replica's placement group, one per bundle's GPU; left to
     itself vLLM would pick this anyway, since the replica runs in a placement group. On a
-    CPU, as child processes of the replica (`mp`): vLLM's Ray workers need a device resource
-    a CPU does not have, and waited for it for ever."""
+    CPU, as child processes of the replica (`mp`): vLLM's Ray executor needs a device
+    resource its CPU platform does not name, and the replica never came up."""
     if pool.tp_size == 1:
         return None                       # vLLM runs the model in the replica's own process
     return "ray" if pool.resources.num_gpus > 0 else "mp"
@@ -145,8 +145,8 @@ class VllmTargetPool:
 
     async def describe(self, seq_id: str | None = None) -> dict:
         tp_size = self.engine.vllm_config.parallel_config.tensor_parallel_size    # as vLLM runs it
-        return {"pid": os.getpid(), "engine": "vllm", "tp_size": tp_size, "running": self.running, "draft_routes": self.draft_routes,
-                "speculation": speculation_counters(), "holds": None}
+        return {"pid": os.getpid(), "engine": "vllm", "tp_size": tp_size, "running": self.running,
+                "draft_routes": self.draft_routes, "speculation": speculation_counters(), "holds": None}
 
     def _refresh_routes(self) -> None:
         """For the life of the replica (a daemon thread)."""
