@@ -57,7 +57,8 @@ class _ModelReplica:
         self.batcher = Batcher(self._run_batch, call_stream,
                                batching.max_batch_size, batching.wait_ms / 1000, batching.wait_for_active)
         self.lookahead_calls = 0     # draft calls that drafted ahead of a window being verified
-        self.channel = ChannelServer(channel_key, {self.batched_method: self._submit_all})
+        self.channel = ChannelServer(channel_key, {self.batched_method: self._submit_all,
+                                                   "release": self._release_all})
         self._channel_start: asyncio.Future | None = None
         refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.state(self.batcher.active_sequences,
                                                                   self.engine.describe()))
@@ -102,6 +103,11 @@ class _ModelReplica:
         """Drop a finished sequence's cache; batches stop waiting for it."""
         release_streams(self.batcher, seq_id)
         await self._on_worker(self.engine.release, seq_id)
+
+    async def _release_all(self, seq_ids: list[str]) -> None:
+        """release, for each of these, over the direct channel (the vLLM target's proposer)."""
+        for seq_id in seq_ids:
+            await self.release(seq_id)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What Serve's autoscaler reads from each replica (cluster/autoscaling.py)."""

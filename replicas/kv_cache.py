@@ -58,6 +58,8 @@ class KVCacheStore:
         self.capacity = 0                  # slots 1..capacity exist in the storage
         self.evictions = 0
         self.moves = 0                     # sequences' caches moved to bring a batch together
+        self.reused_positions = 0          # positions calls found cached, so not computed again
+        self.computed_positions = 0        # positions forward passes computed
         self._entries: OrderedDict[str, CachedSequence] = OrderedDict()
         self._free: list[int] = []         # a heap: the lowest free slot first
         self._tokens = 0
@@ -91,6 +93,10 @@ class KVCacheStore:
         if max(slots.values()) - min(slots.values()) + 1 > tolerated_span(len(seq_ids)):
             moves = self._gather(slots, reuse)
         return slots, moves
+
+    def count_forward(self, reused: int, computed: int) -> None:
+        self.reused_positions += reused
+        self.computed_positions += computed
 
     def commit(self, seq_id: str, tokens: list[int], slot: int) -> None:
         """The forward pass left `tokens`' keys/values in `slot`: index them as most recently

@@ -128,6 +128,8 @@ class ModelRunner:
             raise
         for call in calls:
             self.caches.commit(call.seq_id, call.tokens, slots[call.seq_id])
+        reused = sum(reuse.values())
+        self.caches.count_forward(reused, sum(len(call.tokens) for call in calls) - reused)
         return extensions
 
     def _forward(self, calls: list[ExtendCall], reuse: dict[str, int], slots: dict[str, int]) -> list[Extension]:

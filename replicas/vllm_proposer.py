@@ -18,20 +18,26 @@ slow, missing or broken means no drafts for that step. It reaches the draft repl
 their direct channels (replicas/direct_channel.py); the target replica that started vLLM
 (replicas/vllm_target.py) writes their addresses to the file named by SPECSERVE_DRAFT_ROUTES
 and refreshes it while it runs, and puts the channel key in SPECSERVE_CHANNEL_KEY (hex) before
-vLLM starts its workers. vLLM passes no request ids here, so a row's sequence id for the
-draft pool's cache is a hash of its first tokens: two requests with the same prompt share it,
-which costs the draft cache a rebuild, never a wrong draft (every call carries all its tokens).
+vLLM starts its workers. vLLM passes no request ids here, so the proposer names the rows itself
+(SequenceNames): a row whose context extends a sequence's context of the last step continues
+that sequence (the draft replica extends its cache), any other row starts one, and a
+sequence no row continues is finished: its draft replica is told to release it, as the
+router does at the end of a request, so that its cache is freed and it no longer counts in
+the demand the draft pool autoscales on. A mistaken continuation costs a cache rebuild, never
+a wrong draft: every call carries all its tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
 import threading
 import time
+import uuid
+
+import numpy as np
 
 from replicas import vllm_cpu_fixes
 from replicas.direct_channel import ChannelClient
@@ -41,7 +47,7 @@ from replicas.sampling import GREEDY
 logger = logging.getLogger(__name__)
 ROUTES_ENV, KEY_ENV, TIMEOUT_ENV = "SPECSERVE_DRAFT_ROUTES", "SPECSERVE_CHANNEL_KEY", "SPECSERVE_DRAFT_TIMEOUT_S"
 _ROUTES_TTL_S = 2.0
-_SEQ_ID_TOKENS = 64        # the leading tokens that name a row's sequence in the draft pool
+_IDLE_S = 1.0              # no step for this long: vLLM has no running requests, all are finished
 
 
 class RemoteDraftProposer:
@@ -57,8 +63,12 @@ class RemoteDraftProposer:
         self._addresses: list[tuple[str, int]] = []
         self._read_at = -_ROUTES_TTL_S
         self._clients: dict[tuple[str, int], ChannelClient] = {}
+        self._names = SequenceNames()
+        self._names_lock = threading.Lock()     # the engine's steps and the idle sweep
+        self._stepped_at = time.monotonic()
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="specserve-drafts", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._sweep_when_idle(), self._loop)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner hands the proposer the target model; drafts come from elsewhere."""
@@ -70,27 +80,30 @@ class RemoteDraftProposer:
         try:
             rows = [i for i, sampled in enumerate(sampled_token_ids)
                     if len(sampled) and int(num_tokens_no_spec[i]) + self.k < self.max_model_len]
+            contexts = {i: token_ids_cpu[i, :int(num_tokens_no_spec[i])] for i in rows}
+            with self._names_lock:
+                self._stepped_at = time.monotonic()
+                names, finished = self._names.step(contexts)
+            self._release(finished)
             if rows:
-                contexts = {i: token_ids_cpu[i, :int(num_tokens_no_spec[i])].tolist() for i in rows}
-                for i, tokens in self._drafts(contexts).items():
+                for i, tokens in self._drafts(contexts, names).items():
                     drafts[i] = tokens[:self.k]
         except Exception:  # noqa: BLE001 - never into the engine: this step goes without drafts
             self.failures += 1
             logger.debug("no drafts for this step", exc_info=True)
         return drafts
 
-    def _drafts(self, contexts: dict[int, list[int]]) -> dict[int, list[int]]:
-        """Draft ids per row, from one call per draft replica the rows hash to."""
+    def _drafts(self, contexts: dict[int, np.ndarray], names: dict[int, str]) -> dict[int, list[int]]:
+        """Draft ids per row, from one call per draft replica the rows' sequences hash to."""
         addresses = self._routes()
         if not addresses or not self.key:
             return {}
         by_replica: dict[tuple[str, int], list[int]] = {}
         calls: dict[tuple[str, int], list[ProposeRequest]] = {}
         for i, tokens in contexts.items():
-            seq_id = _sequence_id(tokens)
-            address = addresses[int(seq_id[-8:], 16) % len(addresses)]
+            address = self._replica_of(names[i], addresses)
             by_replica.setdefault(address, []).append(i)
-            calls.setdefault(address, []).append(ProposeRequest(seq_id, tokens, self.k, GREEDY, seed=0))
+            calls.setdefault(address, []).append(ProposeRequest(names[i], tokens.tolist(), self.k, GREEDY, seed=0))
         self.calls += 1
         answers = asyncio.run_coroutine_threadsafe(self._call_all(calls), self._loop).result(self.timeout_s)
         found = {}
@@ -100,13 +113,37 @@ class RemoteDraftProposer:
                     found[i] = list(answer.tokens)
         return found
 
-    async def _call_all(self, calls: dict) -> dict:
+    @staticmethod
+    def _replica_of(seq_id: str, addresses: list[tuple[str, int]]) -> tuple[str, int]:
+        return addresses[int(seq_id[-8:], 16) % len(addresses)]
+
+    def _release(self, seq_ids: list[str]) -> None:
+        """Tell the sequences' draft replicas they are finished; nothing waits for it."""
+        addresses = self._routes()
+        if not seq_ids or not addresses or not self.key:
+            return
+        by_replica: dict[tuple[str, int], list[str]] = {}
+        for seq_id in seq_ids:
+            by_replica.setdefault(self._replica_of(seq_id, addresses), []).append(seq_id)
+        asyncio.run_coroutine_threadsafe(self._call_all(by_replica, "release"), self._loop)
+
+    async def _sweep_when_idle(self) -> None:
+        """vLLM takes no step without running requests, so the last ones to finish are not
+        seen to finish by a step: after _IDLE_S without one, every sequence is finished."""
+        while True:
+            await asyncio.sleep(_IDLE_S / 2)
+            with self._names_lock:
+                idle = time.monotonic() - self._stepped_at >= _IDLE_S
+                finished = self._names.step({})[1] if idle else []
+            self._release(finished)
+
+    async def _call_all(self, calls: dict, method: str = "propose") -> dict:
         async def one(address, requests):
             client = self._clients.get(address)
             if client is None or client.broken:
                 client = self._clients[address] = ChannelClient(self.key, address)
             try:
-                return address, await client.call("propose", requests)
+                return address, await client.call(method, requests)
             except Exception:  # noqa: BLE001 - this replica's rows go without drafts
                 self._read_at = -_ROUTES_TTL_S      # read the routes again: it may have been replaced
                 return address, None
@@ -133,6 +170,34 @@ def _first_rank() -> bool:
         return True
 
 
-def _sequence_id(tokens: list[int]) -> str:
-    head = ",".join(map(str, tokens[:_SEQ_ID_TOKENS])).encode()
-    return "vllm-" + hashlib.sha1(head).hexdigest()
+class SequenceNames:
+    """Names the rows of vLLM's running batch as sequences of the draft pool, step by step.
+
+    A row continues the sequence whose context at the last step is a prefix of the row's
+    context now (the tokens vLLM accepted since extend it): its own row's sequence first,
+    since vLLM keeps a running request in its row until others finish and rows are packed.
+    Any other row starts a new sequence. The last step's sequences that no row continued are
+    finished."""
+
+    def __init__(self):
+        self.contexts: dict[str, np.ndarray] = {}     # sequence -> its context at the last step
+        self.rows: dict[int, str] = {}                # row -> its sequence at the last step
+
+    def step(self, contexts: dict[int, np.ndarray]) -> tuple[dict[int, str], list[str]]:
+        """contexts: row -> its context now. The rows' sequence ids, and the finished ones."""
+        names: dict[int, str] = {}
+        for row, tokens in contexts.items():
+            names[row] = self._continued(row, tokens, set(names.values())) or f"vllm-{uuid.uuid4().hex}"
+        continued = set(names.values())
+        finished = [seq_id for seq_id in self.contexts if seq_id not in continued]
+        self.contexts = {names[row]: tokens.copy() for row, tokens in contexts.items()}
+        self.rows = names
+        return names, finished
+
+    def _continued(self, row: int, tokens: np.ndarray, taken: set[str]) -> str | None:
+        own = self.rows.get(row)
+        for seq_id in ([own] if own else []) + list(self.contexts):
+            before = self.contexts.get(seq_id)
+            if seq_id not in taken and len(before) <= len(tokens) and np.array_equal(tokens[:len(before)], before):
+                return seq_id
+        return None

@@ -89,6 +89,11 @@ def test_draft_reuses_its_cache_across_rounds(models):
     accepted = first.tokens[:2] + [11]  # two drafts kept, then the target's own token
     [second] = engine.propose([ProposeRequest("s", PROMPT + accepted, 4, GREEDY, seed=0)])
     assert second.positions_fed == 1 + 3  # only the target's token is new, then 3 steps
+    # The cache's own account, which the vLLM target's test reads through describe().
+    described = engine.describe()
+    assert described["computed_positions"] == first.positions_fed + second.positions_fed
+    n = len(PROMPT)   # each step keeps all it is given but its newest position(s)
+    assert described["reused_positions"] == (0 + n + (n + 1) + (n + 2)) + ((n + 2) + (n + 3) + (n + 4) + (n + 5))
 
 
 def test_common_prefix_and_token_budget_lru():

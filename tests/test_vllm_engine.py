@@ -95,6 +95,34 @@ def test_drafts_come_from_the_draft_pool_and_are_accepted(vllm_app, prompts):
     assert accepted + steps >= tokens and accepted + steps - tokens < 4
 
 
+def test_a_request_is_one_draft_sequence_released_when_it_ends(vllm_app, prompts):
+    """vLLM names no request to the proposer, which names its rows itself: a request is one
+    sequence in the draft pool while its context grows, and its draft replica is told when it
+    ends (here by the idle sweep: no step follows the last request), which frees its cache and
+    its place in the demand the draft pool autoscales on."""
+    from ray import serve
+
+    draft = serve.get_deployment_handle("draft", app_name="vllm-target")
+    time.sleep(2)                                  # the earlier tests' sequences swept
+    computed = draft.describe.remote().result()["computed_positions"]
+    out = complete(vllm_app, prompts[3], max_tokens=MAX_TOKENS)
+    assert len(out["choices"][0]["token_ids"]) == MAX_TOKENS
+    time.sleep(0.3)                                # a last draft call done; the sweep is a second away
+    ended = draft.describe.remote().result()
+    assert (ended["cached_sequences"], ended["active_sequences"]) == (1, 1)
+    # One sequence: the prompt once, then each step only its new tokens (at most k + 1) and
+    # k - 1 draft positions (a step more: vLLM may draft once more for a finishing row); a
+    # sequence renamed each step would compute its whole context every time.
+    assert ended["computed_positions"] - computed <= len(prompts[3]) + (out["speculation"]["rounds"] + 1) * 2 * 4
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = draft.describe.remote().result()
+        if (after["cached_sequences"], after["active_sequences"]) == (0, 0):
+            break
+        time.sleep(0.5)
+    assert (after["cached_sequences"], after["active_sequences"]) == (0, 0)
+
+
 SAMPLED = {"plain": {"temperature": 1.0}, "warped": {"temperature": 0.8, "top_k": 6, "top_p": 0.9}}
 SAMPLES = 1200
 EOS = 0

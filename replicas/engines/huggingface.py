@@ -52,7 +52,8 @@ class _Engine:
                 "shards": [vars(s) for s in shards] if shards else None,
                 "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
-                "kv_slots": caches.capacity, "max_kv_slots": caches.max_slots, "slot_moves": caches.moves}
+                "kv_slots": caches.capacity, "max_kv_slots": caches.max_slots, "slot_moves": caches.moves,
+                "reused_positions": caches.reused_positions, "computed_positions": caches.computed_positions}
 
     def holds(self, seq_id: str) -> bool:
         return seq_id in self.runner.caches
