@@ -30,6 +30,7 @@ a wrong draft: every call carries all its tokens.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -186,9 +187,10 @@ class SequenceNames:
     def step(self, contexts: dict[int, np.ndarray]) -> tuple[dict[int, str], list[str]]:
         """contexts: row -> its context now. The rows' sequence ids, and the finished ones."""
         names: dict[int, str] = {}
+        continued: set[str] = set()
         for row, tokens in contexts.items():
-            names[row] = self._continued(row, tokens, set(names.values())) or f"vllm-{uuid.uuid4().hex}"
-        continued = set(names.values())
+            names[row] = self._continued(row, tokens, continued) or f"vllm-{uuid.uuid4().hex}"
+            continued.add(names[row])
         finished = [seq_id for seq_id in self.contexts if seq_id not in continued]
         self.contexts = {names[row]: tokens.copy() for row, tokens in contexts.items()}
         self.rows = names
@@ -196,8 +198,8 @@ class SequenceNames:
 
     def _continued(self, row: int, tokens: np.ndarray, taken: set[str]) -> str | None:
         own = self.rows.get(row)
-        for seq_id in ([own] if own else []) + list(self.contexts):
-            before = self.contexts.get(seq_id)
+        for seq_id in itertools.chain([own] if own else [], self.contexts):   # lazily: its own row mostly
+            before = self.contexts[seq_id]
             if seq_id not in taken and len(before) <= len(tokens) and np.array_equal(tokens[:len(before)], before):
                 return seq_id
         return None
