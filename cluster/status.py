@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
             print(_pool_line(name, deployment, states, nodes))
         routers = _replica_states(args.app, "router", app.deployments["router"].replica_states.get("RUNNING", 0))
         print(_traffic_line(routers))
+        for line in _adaptive_lines(routers):
+            print(line)
     finally:
         ray.shutdown()
     return 0
@@ -89,7 +91,21 @@ def _traffic_line(routers: list[dict]) -> str:
     drafted, accepted = sum(t.get("drafted", 0) for t in totals), sum(t.get("accepted", 0) for t in totals)
     rate = sum(t.get("tokens_per_s_last_minute", 0.0) for t in totals)
     requests = sum(t.get("requests", 0) for t in totals)
-    ks = ", ".join(str(state.get("goodput", {}).get("k", "?")) for state in routers)
+    ks = ", ".join(str(state.get("adaptive", {}).get("k", "?")) for state in routers)
     acceptance = f"{accepted / drafted:.3f}" if drafted else "-"
     return (f"  traffic  {requests} requests, {rate:.1f} tokens/s over the last minute, acceptance "
             f"{acceptance}, adaptive k {ks or '-'}")
+
+
+def _adaptive_lines(routers: list[dict]) -> list[str]:
+    """Per router and load level: the choice, and the throughput measured for each arm tried."""
+    lines = []
+    for i, state in enumerate(routers):
+        adaptive = state.get("adaptive", {})
+        lines.append(f"  adaptive router {i + 1}: load {adaptive.get('load')} (level {adaptive.get('level')}), "
+                     f"k {adaptive.get('k')}{' overlap' if adaptive.get('overlap') else ''} now")
+        for level, climb in adaptive.get("levels", {}).items():
+            measured = ", ".join(f"{arm} {rate:.0f}" for arm, rate in climb["tokens_per_s"].items()) or "-"
+            state_word = "settled" if climb["settled"] else f"trying {climb['running']}"
+            lines.append(f"    {level:>5} in flight: {climb['choice']} ({state_word}); tokens/s {measured}")
+    return lines

@@ -18,6 +18,8 @@ class ProposeRequest:
     sampling: SamplingParams
     seed: int                  # seeds this call's sampling; derived per round by the router
     lookahead: bool = False    # drafted ahead, while the window before it is verified (router/lookahead.py)
+    noise_seed: int | None = None   # a seeded request's: each draft is the Gumbel-max choice from q under
+                                    # the public noise of its position (replicas/gumbel.py); probs None
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class VerifyRequest:
     draft_probs: torch.Tensor | None  # q [k, V], None when the drafts were greedy
     sampling: SamplingParams
     seed: int
+    noise_seed: int | None = None     # a seeded request's: the target's token at each position is the
+                                      # Gumbel-max choice from p, drafts kept while they equal it
 
 
 @dataclass(frozen=True)

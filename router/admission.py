@@ -96,6 +96,7 @@ class Admission:
             sampling=_sampling(body),
             stop=body.stop_strings(),
             seed=body.seed if body.seed is not None else secrets.randbits(63),
+            seeded=body.seed is not None,
             **self._k(body),
         )
 

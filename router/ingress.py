@@ -36,7 +36,7 @@ from router.auth import ApiKeys
 from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_too_large, server_error,
                            unavailable, unsupported_media_type)
 from router.gate import GateFull, RequestGate, Slot
-from router.goodput import GoodputController
+from router.k_control import KController
 from replicas.metrics import GAUGE_REFRESH_S, refresh_every
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
@@ -155,14 +155,17 @@ class Router:
         self.metrics = RouterMetrics()
         self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer),
                                     PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
-                                    GoodputController(spec.min_k, spec.max_k, spec.k),
+                                    KController(spec.min_k, spec.max_k, spec.k, spec.overlap),
                                     lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics,
                                     channel_key if pools.router.direct_calls else None,
                                     engine_rounds=pools.target.engine == "vllm")
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
-        refresh_every(GAUGE_REFRESH_S, lambda: self.metrics.gate(self.gate.running, self.gate.queued,
-                                                                 self.loop.goodput.k))
+        refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.gate(self.gate.running, self.gate.queued)
+        self.metrics.adaptive(self.loop.control.describe())
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -199,7 +202,7 @@ class Router:
         return {"pid": os.getpid(), "running": self.gate.running, "queued": self.gate.queued,
                 "refused": self.gate.refused, "drafts_available": self.loop.drafts.available,
                 "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences(),
-                "goodput": self.loop.goodput.describe(), "totals": self.metrics.totals.as_dict(),
+                "adaptive": self.loop.control.describe(), "totals": self.metrics.totals.as_dict(),
                 "call_paths": dict(self.loop.call_paths),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -226,7 +229,7 @@ class Router:
                 slot.release()
 
     async def _enter(self, deadline: float) -> Slot:
-        self.metrics.gate(self.gate.running, self.gate.queued, self.loop.goodput.k)
+        self.metrics.gate(self.gate.running, self.gate.queued)
         try:
             return await asyncio.wait_for(self.gate.enter(), max(deadline - time.monotonic(), 0))
         except GateFull:

@@ -9,7 +9,9 @@ speculative | target_only | fallback}, drafted_tokens_total, accepted_tokens_tot
 generated_tokens_total, cache_rebuilds_total{pool}, tokens_per_round, k (the k each round
 asked for), verify_batch_size and draft_batch_size (sequences in the forward pass that
 served a round), ttft_seconds, inter_token_seconds, router_requests{state: running |
-queued}, adaptive_k.
+queued}, adaptive_k{level} (the k the measured choice keeps at each load level, and for
+level "current" the k adaptive rounds use now), adaptive_goodput_tokens_per_s{level, arm} (the
+throughput measured for each arm tried at each level, router/k_control.py).
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ class RouterMetrics:
         self.inter_token = Histogram("specserve_inter_token_seconds", "Time between generated tokens", _SECONDS)
         self.router_requests = Gauge("specserve_router_requests", "Generation requests at this router "
                                      "replica", tag_keys=("state",))
-        self.adaptive_k = Gauge("specserve_adaptive_k", "The k this router's adaptive rounds use")
+        self.adaptive_k = Gauge("specserve_adaptive_k", "The k this router's adaptive rounds keep at a load "
+                                "level (level 'current': the k they use now)", tag_keys=("level",))
+        self.adaptive_goodput = Gauge("specserve_adaptive_goodput_tokens_per_s", "Tokens per second this router "
+                                      "measured across its sequences for an arm (k, overlap) at a load level",
+                                      tag_keys=("level", "arm"))
         self.totals = Totals()
 
     def round(self, k: int, drafts: int, verification, proposal, fallback: bool, rebuilt: dict[str, bool]) -> None:
@@ -83,10 +89,17 @@ class RouterMetrics:
         if error_type is not None:
             self.errors.inc(tags={"type": error_type})
 
-    def gate(self, running: int, queued: int, adaptive_k: int) -> None:
+    def gate(self, running: int, queued: int) -> None:
         self.router_requests.set(running, tags={"state": "running"})
         self.router_requests.set(queued, tags={"state": "queued"})
-        self.adaptive_k.set(adaptive_k)
+
+    def adaptive(self, state: dict) -> None:
+        """The measured choice's state, as KController.describe() gives it."""
+        self.adaptive_k.set(state["k"], tags={"level": "current"})
+        for level, climb in state["levels"].items():
+            self.adaptive_k.set(climb["k"], tags={"level": level})
+            for arm, tokens_per_s in climb["tokens_per_s"].items():
+                self.adaptive_goodput.set(tokens_per_s, tags={"level": level, "arm": arm})
 
 
 def _add(counter: Counter, amount: int) -> None:

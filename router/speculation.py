@@ -34,7 +34,8 @@ from replicas.sampling import SamplingParams
 from router.fallback import DraftAvailability
 from router.direct_routes import DirectRoutes
 from router.gathering import CallGatherer
-from router.goodput import CostProfile, GoodputController
+from router.goodput import CostProfile
+from router.k_control import Arm, KController
 from router.lookahead import Drafts, lookahead_size, usable_drafts
 from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
@@ -70,9 +71,10 @@ class Generation:
     stop: list[str]
     seed: int
     k: int                     # draft tokens per round; 0 turns speculation off
-    adaptive: bool = False     # choose k each round by goodput (router/goodput.py), k until it can
+    adaptive: bool = False     # k each round as the router's measured choice says (router/k_control.py)
     overlap: bool | str = False  # draft the next window while this one is verified (router/lookahead.py);
-                                 # "auto": as the router's OverlapChoice says (router/goodput.py)
+                                 # "auto": as the router's measured choice says (router/k_control.py)
+    seeded: bool = False       # the client gave the seed: sampled by Gumbel-max (replicas/gumbel.py)
 
 
 @dataclass
@@ -160,7 +162,7 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 
 class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
-                 goodput: GoodputController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
+                 control: KController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
                  channel_key: bytes | None = None, engine_rounds: bool = False):
         """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
         draft pool on its own, replicas/vllm_target.py): a request streams from it."""
@@ -180,7 +182,7 @@ class SpeculationLoop:
         self.gatherer = CallGatherer(self._send, gather_wait_s,
                                      abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
         self.drafts = DraftAvailability(self._probe_drafts, timeouts.draft_s)
-        self.goodput = goodput
+        self.control = control
         self.metrics = metrics            # router/metrics.py RouterMetrics, or None
         self._profiles_task: asyncio.Task | None = None
         self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
@@ -252,7 +254,10 @@ class SpeculationLoop:
         if cap == 0 and gen.k > 0:
             # The last token needs no draft: free the draft pool's cache now.
             self._release(lane, seq_id, "draft")
-        k = self._choose_k(gen, cap)
+        in_flight = len(self._running)
+        level = self.control.note_load(in_flight)
+        arm, whole = self._arm(gen, cap, level)
+        k, overlap = arm.k, arm.overlap
         stats.k_chosen += k
         fallbacks_before = stats.fallback_rounds
         ready = await self._drafts_ahead(ahead, k, stats)
@@ -262,8 +267,8 @@ class SpeculationLoop:
             drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
-            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"))))
-        overlap = self.goodput.overlap.on if gen.overlap == "auto" else gen.overlap
+            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
+            noise_seed=self._noise_seed(gen))))
         if overlap and drafts:
             stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
                                                  lookahead_size(k, cap - len(drafts) - 1), gen, stats.rounds)
@@ -276,6 +281,9 @@ class SpeculationLoop:
             rebuilt = {"target": stats.rounds > 0 and verdict.positions_fed >= len(tokens),
                        "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= len(tokens)}
             self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt)
+        model_ms = verdict.model_ms + (proposal.model_ms if proposal is not None else 0.0)
+        # A request's first round (its prefill) and one its end cuts short measure no arm.
+        measured = stats.rounds > 0 and whole
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
@@ -284,10 +292,30 @@ class SpeculationLoop:
         round_ms = (time.perf_counter() - started) * 1000
         stats.round_ms += round_ms
         stats.retried_calls = self._retries[seq_id]
-        self.goodput.observe(len(drafts), verdict.accepted, round_ms, verdict, proposal, adaptive=gen.adaptive)
-        if drafts:
-            self.goodput.overlap.observe(bool(overlap), len(verdict.tokens), round_ms, decides=gen.overlap == "auto")
+        self.control.observe(level, arm, len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
+                             adaptive=gen.adaptive, measured=measured)
         return verdict.tokens
+
+    def _arm(self, gen: Generation, cap: int, level: int) -> tuple[Arm, bool]:
+        """This round's k and overlap: the request's, or the router's measured choice at this
+        load level (router/k_control.py); and whether the request's end left the k whole."""
+        if gen.adaptive:
+            chosen = self.control.choose(level, self.control.max_k)
+            k, whole = min(chosen.k, cap), chosen.k <= cap
+            if not self.control.prior.ready:
+                self._fetch_profiles()
+        else:
+            chosen, k, whole = None, min(gen.k, cap), gen.k <= cap
+        if gen.overlap == "auto":
+            overlap = (chosen or self.control.choose(level, self.control.max_k)).overlap
+        else:
+            overlap = bool(gen.overlap)
+        return Arm(k, overlap and k > 0), whole
+
+    @staticmethod
+    def _noise_seed(gen: Generation) -> int | None:
+        """The seed of a seeded sampled request's public noise (replicas/gumbel.py)."""
+        return gen.seed if gen.seeded and not gen.sampling.greedy else None
 
     async def _drafts_ahead(self, ahead: _Ahead, k: int, stats: SpeculationStats) -> Drafts | None:
         """This round's drafts from the last round's lookahead, when its guess held. A
@@ -323,7 +351,8 @@ class SpeculationLoop:
         if size == 0:
             return 0
         request = ProposeRequest(seq_id, tokens + drafts, size + 1, gen.sampling,
-                                 round_seed(gen.seed, round_index, "draft-ahead"), lookahead=True)
+                                 round_seed(gen.seed, round_index, "draft-ahead"), lookahead=True,
+                                 noise_seed=self._noise_seed(gen))
 
         async def look() -> Proposal | None:
             try:
@@ -335,19 +364,10 @@ class SpeculationLoop:
         ahead.drafts = list(drafts)
         return 1
 
-    def _choose_k(self, gen: Generation, cap: int) -> int:
-        """The request's fixed k; or, adaptive, the router's k by goodput (router/goodput.py),
-        which starts at the configured k until the pools' cost profiles are known."""
-        if not gen.adaptive:
-            return min(gen.k, cap)
-        if not self.goodput.ready:
-            self._fetch_profiles()
-        return self.goodput.choose(cap)
-
     def _fetch_profiles(self) -> None:
         """The pools' cost profiles, once, in the background (a fresh context: it outlives the
         request that asked)."""
-        if self._profiles_task is None or (self._profiles_task.done() and not self.goodput.ready):
+        if self._profiles_task is None or (self._profiles_task.done() and not self.control.prior.ready):
             self._profiles_task = asyncio.get_running_loop().create_task(
                 self._load_profiles(), context=contextvars.Context())
 
@@ -355,8 +375,8 @@ class SpeculationLoop:
         for pool in ("draft", "target"):
             try:
                 state = await _within(self.pools[pool].describe.remote(), 30.0)
-                self.goodput.profiles[pool] = CostProfile.from_describe(state)
-            except Exception:  # noqa: BLE001 - retried at a later round; fixed k meanwhile
+                self.control.prior.profiles[pool] = CostProfile.from_describe(state)
+            except Exception:  # noqa: BLE001 - retried at a later round; the prior waits meanwhile
                 logger.warning("no cost profile from the %s pool yet", pool, exc_info=True)
 
     async def _drafts(self, lane: str, seq_id: str, tokens: list[int], k: int, gen: Generation,
@@ -371,7 +391,8 @@ class SpeculationLoop:
         started = time.perf_counter()
         try:
             proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
-                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft")))
+                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft"),
+                noise_seed=self._noise_seed(gen)))
         except RowError as exc:   # this sequence's row alone failed on the draft replica
             logger.warning("drafting failed for %s (%s): verifying without drafts", seq_id, exc)
             stats.fallback_rounds += 1

@@ -17,15 +17,17 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
         "models": {"target": {"path": str(zoo.target)}, "draft": {"path": str(zoo.drafts["perturbed"])}},
         "limits": {"context_length": 512}, "speculation": {"k": 4, "overlap": "auto"}}))
     out = tmp_path / "bench.json"
-    code = main(["bench", "--url", apps["perturbed"], "--config", str(config), "--concurrency", "1", "3",
+    code = main(["bench", "--url", apps["perturbed"], "--app", "spec-perturbed", "--config", str(config), "--concurrency", "1", "3",
                  "--request-rate", "20", "--num-requests", "3", "--max-tokens", "12", "--prompt-tokens", "16",
                  "--sweep-k", "2", "--repeats", "2", "--hf-prompts", "1", "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
     fixed = ["adaptive", "speculative", "target_only", "overlap", "no_overlap"]     # where overlap may be on
-    assert report["closed_loop"][0]["modes"] == fixed + ["k=2"]
-    assert report["closed_loop"][1]["modes"] == fixed
+    for run in report["closed_loop"]:             # the sweep at every concurrency
+        assert run["modes"] == fixed + ["k=2"]
+    choices = report["closed_loop"][0]["adaptive"]["choice_after_each_run"]   # the router's, after each run
+    assert len(choices) == 2 and all(set(c) >= {"choice", "settled_after_rounds", "tokens_per_s"} for [c] in choices)
     for run in report["closed_loop"]:
         assert run["no_overlap"]["lookahead_hit_rate"] == run["no_overlap"]["draft_hidden_share"] == 0.0
     for run in report["closed_loop"]:

@@ -7,7 +7,7 @@ Modes, in every load phase: `adaptive` (the server chooses k, when its config ad
 `speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
 off), where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
 on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
-fixed); at the first concurrency also every k of --sweep-k, fixed. Every phase runs
+fixed); at every concurrency also every k of --sweep-k, fixed. Every phase runs
 max(--num-requests, 2 x concurrency) requests; with --repeats N each mode runs N times, in turn with the others, and the report
 gives each mode's mean and the run's noise: the largest spread between repeats of one mode,
 relative to its mean. Without --url it starts the cluster of --config itself.
@@ -34,6 +34,8 @@ def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark the HTTP endpoint against its baselines",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--url", help="a running server (default: start the --config cluster here)")
+    bench.add_argument("--app", help="with --url: the server's Serve application on this Ray, to read its routers' "
+                                     "measured choice from (default: the cluster the bench starts)")
     bench.add_argument("--config", default=DEFAULT_CONFIG_FILE, help="cluster config: models, k (default: %(default)s)")
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="closed-loop clients (default: 1 8)")
     bench.add_argument("--request-rate", type=float, nargs="*", default=[], help="open-loop arrival rates, requests/s")
@@ -41,7 +43,7 @@ def add_parser(commands) -> None:
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
     bench.add_argument("--prompt-tokens", type=int, default=128, help="held-out prompt length (default: %(default)s)")
     bench.add_argument("--k", type=int, help="draft tokens per round (default: speculation.k of the config)")
-    bench.add_argument("--sweep-k", type=int, nargs="*", default=[], help="fixed k values also run at the first "
+    bench.add_argument("--sweep-k", type=int, nargs="*", default=[], help="fixed k values also run at every "
                                                                           "concurrency (e.g. 1 2 4 6)")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each mode per phase (default: %(default)s)")
     bench.add_argument("--hf-prompts", type=int, default=4, help="prompts for the transformers baseline (0: skip)")
@@ -111,14 +113,16 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
           f"modes {', '.join(modes)}")
     asyncio.run(closed_loop(speculative, 2, 2))  # warm-up: first calls load lazily
+    from cluster.app import APP_NAME
+    app = args.app or (APP_NAME if args.url is None else None)
     closed = []
-    for i, concurrency in enumerate(args.concurrency):
-        sweep = {f"k={v}": replace(speculative, speculation={"k": v}) for v in args.sweep_k if v != k} if i == 0 else {}
+    for concurrency in args.concurrency:
+        sweep = {f"k={v}": replace(speculative, speculation={"k": v}) for v in args.sweep_k if v != k}
         closed.append(_phase({"concurrency": concurrency, "mode": "closed"}, {**modes, **sweep},
                              lambda work, c=concurrency: closed_loop(work, c, max(args.num_requests, 2 * c)),
-                             args.repeats))
+                             args.repeats, app))
     opened = [_phase({"concurrency": f"{rate}/s", "mode": "open", "request_rate": rate}, modes,
-                     lambda work, r=rate: open_loop(work, r, args.num_requests), args.repeats)
+                     lambda work, r=rate: open_loop(work, r, args.num_requests), args.repeats, app)
               for rate in args.request_rate]
     ideal = _ideal(config, closed[0]["speculative"], k, args.prompt_tokens + args.max_tokens // 2)
     for entry in closed + opened:
@@ -160,21 +164,49 @@ def _serve_vllm_target(config: ClusterConfig, url: str) -> str:
     return f"{url}/vllm-target"
 
 
-def _phase(head: dict, modes: dict, load, repeats: int) -> dict:
+def _phase(head: dict, modes: dict, load, repeats: int, app: str | None) -> dict:
     """Every mode `repeats` times, in turn; each mode's summary with its mean throughput, the
-    speedup of each over target-only, and the phase's noise."""
+    speedup of each over target-only, and the phase's noise; after each adaptive run, what
+    the routers' measured choice holds at this load (where the bench can reach the routers)."""
     from cluster.bench.report import summarize
 
     runs: dict[str, list[dict]] = {name: [] for name in modes}
+    choices = []
     for _ in range(repeats):
         for name, work in modes.items():
             runs[name].append(summarize(asyncio.run(load(work))))
+            if name == "adaptive":
+                choices.append(_adaptive_choice(app, head["concurrency"]))
     summaries = {name: _mean_of(results) for name, results in runs.items()}
+    if "adaptive" in summaries:
+        summaries["adaptive"]["choice_after_each_run"] = choices
     alone = summaries["target_only"]["output_tokens_per_s"]
     speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
     noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
     return {**head, **summaries, "modes": list(modes), "speedups": speedups, "noise": round(noise, 3),
             "speedup_vs_target_only": speedups["speculative"]}
+
+
+def _adaptive_choice(app: str | None, concurrency) -> list[dict] | str:
+    """A router's measured choice at the load level of `concurrency` sequences: the arm it
+    keeps, the rounds its first climb there took to settle, the throughput of each arm."""
+    import ray
+
+    from router.k_control import level_name, level_of
+
+    if app is None or not isinstance(concurrency, int) or not ray.is_initialized():
+        return "not reachable from here"
+    from ray import serve
+
+    try:
+        state = serve.get_deployment_handle("router", app_name=app).describe.remote().result(timeout_s=10)
+    except Exception as exc:  # noqa: BLE001 - the report says why it has no choice
+        return f"no answer from the router: {type(exc).__name__}"
+    climb = state["adaptive"]["levels"].get(level_name(level_of(concurrency)))
+    if climb is None:
+        return "no adaptive rounds at this load"
+    return [{key: climb[key] for key in ("choice", "settled", "settled_after_rounds", "rounds", "changes",
+                                         "tokens_per_s")}]
 
 
 def _mean_of(results: list[dict]) -> dict:
@@ -232,6 +264,14 @@ def _print(report: dict) -> None:
         print(f"C={entry['concurrency']}: speedup_vs_target_only {entry['speedup_vs_target_only']:.3f}, "
               f"efficiency_vs_ideal {entry['efficiency_vs_ideal']:.3f}; vs target-only: {ratios}; "
               f"noise {entry['noise']:.3f}")
+        for run, choice in enumerate(entry.get("adaptive", {}).get("choice_after_each_run", []), 1):
+            if isinstance(choice, list):
+                [c] = choice
+                print(f"  adaptive run {run}: keeps {c['choice']}, settled after {c['settled_after_rounds']} "
+                      f"rounds at this load (of {c['rounds']}), {c['changes']} changes; measured tokens/s "
+                      + ", ".join(f"{arm} {rate:.0f}" for arm, rate in c["tokens_per_s"].items()))
+            else:
+                print(f"  adaptive run {run}: {choice}")
     ideal = report["ideal"]
     print(f"ideal speedup {ideal['ideal_speedup']:.3f} (draft/target cost {ideal['cost_ratio']:.3f}, "
           f"{ideal['tokens_per_round']:.2f} tokens per round)")

@@ -19,7 +19,9 @@ from transformers import PreTrainedModel
 from replicas.kv_cache import KVCacheStore
 from replicas.model_runner import ExtendCall, Extension, ModelRunner
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
-from replicas.sampling import NonFiniteDistribution, make_generator, sample, warped_probs
+from replicas.gumbel import gumbel_choices
+from replicas.sampling import (NonFiniteDistribution, check_finite, make_generator, sample, sampleable,
+                               warped_probs)
 from replicas.speculative import greedy_round, sampled_rounds
 
 
@@ -100,7 +102,8 @@ class DraftEngine(_Engine):
                 break
             extensions = self.runner.extend_batch(
                 [ExtendCall(requests[i].seq_id, tokens[i], 1) for i in active])
-            chosen = self._choose(active, extensions, requests, generators, rows, failures)
+            chosen = self._choose(active, extensions, requests, generators, rows, failures,
+                                  [len(tokens[i]) for i in active])
             for i, extension in zip(active, extensions):
                 fed[i] += extension.positions_fed
                 if i in chosen:
@@ -115,16 +118,23 @@ class DraftEngine(_Engine):
 
     @staticmethod
     def _choose(active: list[int], extensions: list[Extension], requests: list[ProposeRequest], generators,
-                rows: list[list[torch.Tensor]], failures: dict[int, RowError]) -> dict[int, int]:
+                rows: list[list[torch.Tensor]], failures: dict[int, RowError], positions: list[int]) -> dict[int, int]:
         """This step's draft token of each active request: the argmax of every greedy row in
-        one transfer; a sample from q for the others (q kept for the target's rule)."""
+        one transfer; for a seeded request the Gumbel-max choice from q at its position
+        (`positions`, the index of the token drafted); a sample from q for the others (q kept
+        for the target's rule)."""
         greedy = [(i, e) for i, e in zip(active, extensions) if requests[i].sampling.greedy]
         chosen = {i: choices[0] for (i, _), choices in zip(greedy, _argmax_rows([e.logits for _, e in greedy]))}
-        for i, extension in zip(active, extensions):
-            if requests[i].sampling.greedy:
+        for i, extension, position in zip(active, extensions, positions):
+            request = requests[i]
+            if request.sampling.greedy:
                 continue
             try:
-                q = warped_probs(extension.logits, requests[i].sampling)[0]  # [V]
+                q = warped_probs(extension.logits, request.sampling)[0]  # [V]
+                if request.noise_seed is not None:
+                    check_finite(q)
+                    chosen[i] = int(gumbel_choices(q[None], request.noise_seed, position)[0])
+                    continue
                 chosen[i] = sample(q, generators[i])
                 rows[i].append(q)
             except Exception as exc:  # noqa: BLE001 - this row alone fails
@@ -158,6 +168,10 @@ class TargetEngine(_Engine):
         greedy = [i for i, r in enumerate(requests) if r.sampling.greedy and outcomes[i] is None]
         for i, choices in zip(greedy, _argmax_rows([logits[i] for i in greedy])):
             outcomes[i] = greedy_round(choices, list(requests[i].draft_tokens))
+        seeded = [i for i, r in enumerate(requests) if r.noise_seed is not None and outcomes[i] is None
+                  and not r.sampling.greedy]
+        for i in seeded:
+            outcomes[i] = self._seeded_round(requests[i], logits[i])
         for i, request in enumerate(requests):
             if outcomes[i] is None and not _draft_probs_fit(request, logits[i].shape[-1]):
                 outcomes[i] = ValueError(f"draft_probs of shape {tuple(request.draft_probs.shape)} for "
@@ -169,6 +183,19 @@ class TargetEngine(_Engine):
                                                                 [logits[i] for i in sampled], device)):
                 outcomes[i] = outcome
         return [self._row_result(request, outcome) for request, outcome in zip(requests, outcomes)]
+
+    @staticmethod
+    def _seeded_round(request: VerifyRequest, logits: torch.Tensor):
+        """The target's Gumbel-max choice at each of the k + 1 positions (replicas/gumbel.py);
+        drafts kept while they equal it. A row's failure is its outcome."""
+        try:
+            p = warped_probs(logits, request.sampling)                       # [k + 1, V]
+            if not bool(sampleable(p).all()):
+                return NonFiniteDistribution()
+            choices = gumbel_choices(p, request.noise_seed, len(request.tokens)).tolist()
+        except Exception as exc:  # noqa: BLE001 - this row alone fails
+            return exc
+        return greedy_round(choices, list(request.draft_tokens))
 
     @staticmethod
     def _sampled_rounds(requests: list[VerifyRequest], logits: list[torch.Tensor], device) -> list:

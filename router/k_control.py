@@ -1,0 +1,371 @@
+"""Choosing k (and overlap) by measured throughput, per load level, so that speculation never
+costs throughput: the router tries the candidates and keeps what its rounds actually yield,
+where a cost model would have to predict contention it cannot see (a verify of k + 1
+positions costs nearly k + 1 steps on this compute-bound CPU, about one on a memory-bound GPU).
+
+Terms:
+- arm: what an adaptive round runs: k drafts (0: the target alone) and, when overlap is
+  "auto", whether it drafts the next window during verification (router/lookahead.py).
+  The k of the arms form a ladder, 0 1 2 4 6 8 12 16 ... within [min_k, max_k] plus the
+  configured k: steps large enough for neighbours to differ by more than the noise.
+- load level: the router's sequences in flight, smoothed over its recent rounds (an EMA of
+  weight 1/16), rounded and bucketed: 1 | 2 | 3-5 | 6-11 | 12-23 | 24+. Each level is about
+  twice the one before, with a power of two in its middle, so that 8 closed-loop clients,
+  which drop to 7 in flight between requests, stay in one level.
+- throughput of an arm at a level: tokens per ms over its rounds' wall time (a ratio of
+  sums), times the mean sequences in flight: the tokens per second the router emits across
+  its sequences. A request's first round (its prefill) and a round cut short by the
+  request's end are left out: they cost the same under every arm.
+- window: W measured rounds of one arm, W = max(64, 6 x sequences in flight), after the
+  first in-flight rounds of that arm (they share batches with the arm before).
+
+Per level, a climb over the arms (a hill climb, chosen over a bandit because neighbouring
+k differ smoothly and it needs no prior over all arms: each trial costs at most one window
+of a neighbour, which is close to the best when the best is near). The incumbent runs a
+window, then a challenger (a neighbour on the ladder, or the other overlap), then the
+incumbent again; the challenger's window is compared with the mean of the incumbent's
+windows on both sides of it, which cancels a drift of the machine's speed. Then:
+- worse by more than the margin (4 %): rejected, and so is everything beyond it;
+- within the margin: a tie, not taken (no flapping between arms within noise of each other),
+  but the arm beyond it is tried too (a slope too gentle to see in one step);
+- better by more than the margin: a second window each, and taken if the pooled windows
+  still say so; the climb goes on in that direction.
+When no challenger is left the level is settled: the incumbent runs, checked against its own
+throughput and tokens per round at settling; a change of more than a quarter (acceptance or
+contention moved) starts a climb again, and so does a recheck every 8, 16, then 32 windows
+(doubling while rechecks keep the incumbent). A level met for the first time starts from the
+nearest known level's choice, or from the prior (the predicted cost model, router/goodput.py);
+a level met again starts from its own choice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from router.goodput import CostModel, KeepChances
+
+LEVEL_EDGES = (1, 2, 3, 6, 12, 24)     # a level holds rounded loads in [edge_i, edge_i+1)
+_LOAD_WEIGHT = 1 / 16
+_LADDER = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32)
+MARGIN = 0.04
+_Z = 2.0                                # and by two standard errors
+_DECISIVE, _Z_DECISIVE = 0.10, 3.0      # taken after one window when better by this much
+_MIN_WINDOW = 64
+_WINDOW_PER_SEQUENCE = 4
+_DRIFT = 0.25
+_FIRST_RECHECK, _LAST_RECHECK = 8, 32   # windows between rechecks of a settled level
+_TABLE_DECAY = 1 / 512                  # per measured round: the table shows about the last 500
+
+
+@dataclass(frozen=True, order=True)
+class Arm:
+    k: int
+    overlap: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"k={self.k}" + (" overlap" if self.overlap else "")
+
+
+def level_of(load: float) -> int:
+    n = max(round(load), 1)
+    return max(i for i, edge in enumerate(LEVEL_EDGES) if n >= edge)
+
+
+def level_name(level: int) -> str:
+    low = LEVEL_EDGES[level]
+    if level + 1 == len(LEVEL_EDGES):
+        return f"{low}+"
+    high = LEVEL_EDGES[level + 1] - 1
+    return str(low) if high == low else f"{low}-{high}"
+
+
+@dataclass
+class Measure:
+    """Sums over rounds: tokens, wall ms, sequences in flight x ms, and ms squared (the mean
+    round time's standard error)."""
+    tokens: float = 0.0
+    ms: float = 0.0
+    load_ms: float = 0.0
+    rounds: float = 0.0
+    ms_sq: float = 0.0
+
+    def add(self, tokens: int, ms: float, in_flight: int) -> None:
+        self.tokens += tokens
+        self.ms += ms
+        self.load_ms += in_flight * ms
+        self.rounds += 1
+        self.ms_sq += ms * ms
+
+    def scale(self, factor: float) -> None:
+        for name, value in vars(self).items():
+            setattr(self, name, value * factor)
+
+    def __add__(self, other: "Measure") -> "Measure":
+        return Measure(**{name: value + getattr(other, name) for name, value in vars(self).items()})
+
+    def tokens_per_s(self) -> float:
+        """Tokens per second across the router's sequences: tokens per ms of a sequence's
+        rounds times the sequences in flight."""
+        return self.tokens / self.ms * (self.load_ms / self.ms) * 1000 if self.ms > 0 else 0.0
+
+    def tokens_per_round(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    def goodput(self, expected_tokens: float) -> float:
+        """Tokens per second across the router's sequences with E(k) tokens a round: the
+        decision's measure (router/goodput.py says why E(k) and not the window's own count)."""
+        return expected_tokens * self.rounds / self.ms * (self.load_ms / self.ms) * 1000 if self.ms > 0 else 0.0
+
+    def relative_error_sq(self) -> float:
+        """Var / mean^2 of the mean round time, rounds taken as independent."""
+        if self.rounds < 2 or self.ms <= 0:
+            return math.inf
+        variance = max(self.ms_sq - self.ms * self.ms / self.rounds, 0.0) / (self.rounds - 1)
+        return variance / self.rounds / (self.ms / self.rounds) ** 2
+
+
+@dataclass
+class _Duel:
+    challenger: Arm
+    direction: int                       # +1 / -1 along the ladder, 0 for the other overlap
+    plan: list[str] = field(default_factory=lambda: ["challenger", "incumbent"])   # windows to run
+    windows: list[Measure] = field(default_factory=list)                          # the challenger's
+    confirming: bool = False
+
+
+class LevelClimb:
+    """The choice at one load level: which arm adaptive rounds use, learned by a climb."""
+
+    def __init__(self, arms: list[Arm], start: Arm, expected_tokens):
+        self.expected_tokens = expected_tokens   # E(k), router/goodput.py KeepChances
+        self.arms = arms                       # the ladder (and its overlap twins), in order
+        self.incumbent = start
+        self.table: dict[Arm, Measure] = {}    # recent throughput of every arm measured here
+        self.rounds = 0                        # measured adaptive rounds at this level
+        self.settled_after: int | None = None  # rounds the first climb took
+        self.climbs = self.changes = 0
+        self._queue: list[tuple[Arm, int]] = []   # challengers still to try, with their direction
+        self._tried: set[Arm] = set()
+        self._duel: _Duel | None = None
+        self._incumbent_windows: list[Measure] = []   # the incumbent's last windows, oldest first
+        self._fresh = False                    # the last window was the incumbent's
+        self._window = Measure()
+        self._skip = 0
+        self._reference: Measure | None = None   # the incumbent's first window once settled
+        self._recheck_in = self._recheck_period = _FIRST_RECHECK
+        self._start_climb()
+
+    @property
+    def running(self) -> Arm:
+        duel = self._duel
+        return duel.challenger if duel is not None and duel.plan[0] == "challenger" else self.incumbent
+
+    @property
+    def settled(self) -> bool:
+        return not self._queue and self._duel is None
+
+    def record(self, arm: Arm, tokens: int, ms: float, in_flight: int) -> None:
+        """Any measured round at this level, fixed-k ones too: the table."""
+        for measure in self.table.values():
+            measure.scale(1 - _TABLE_DECAY)
+        self.table.setdefault(arm, Measure()).add(tokens, ms, in_flight)
+
+    def observe(self, arm: Arm, tokens: int, ms: float, in_flight: int) -> None:
+        """A measured adaptive round that ran `arm` here."""
+        self.rounds += 1
+        if arm != self.running:
+            return                           # it started before the last switch
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        self._window.add(tokens, ms, in_flight)
+        if self._window.rounds >= max(_MIN_WINDOW, _WINDOW_PER_SEQUENCE * in_flight):
+            before, window, self._window = self.running, self._window, Measure()
+            self._finished(window)
+            if self.running != before:
+                self._skip = in_flight       # their next rounds share batches with the old arm's
+
+    def _finished(self, window: Measure) -> None:
+        duel = self._duel
+        role = duel.plan.pop(0) if duel is not None else "incumbent"
+        if role == "challenger":
+            duel.windows.append(window)
+            self._fresh = False
+            return
+        self._incumbent_windows = (self._incumbent_windows + [window])[-4:]
+        self._fresh = True
+        if duel is not None and not duel.plan:
+            self._judge(duel)
+        elif duel is None and not self._queue:
+            self._check_settled(window)
+        if self._duel is None and self._queue and self._fresh:
+            arm, direction = self._queue.pop(0)
+            self._tried.add(arm)
+            self._duel = _Duel(arm, direction)
+        if self.settled and self.settled_after is None:
+            self.settled_after = self.rounds
+
+    def _judge(self, duel: _Duel) -> None:
+        """The challenger's windows against the incumbent's on both sides of them."""
+        challenger, incumbent = _pooled(duel.windows), _pooled(self._incumbent_windows[-(len(duel.windows) + 1):])
+        ratio = (challenger.goodput(self.expected_tokens(duel.challenger.k))
+                 / max(incumbent.goodput(self.expected_tokens(self.incumbent.k)), 1e-9))
+        error = math.sqrt(challenger.relative_error_sq() + incumbent.relative_error_sq())
+        better = ratio > 1 + MARGIN and math.log(ratio) > _Z * error
+        decisive = ratio > 1 + _DECISIVE and math.log(ratio) > _Z_DECISIVE * error
+        if better and not (duel.confirming or decisive):
+            duel.confirming, duel.plan = True, ["challenger", "incumbent"]
+            return
+        self._duel = None
+        if better:
+            self.incumbent = duel.challenger
+            self.changes += 1
+            # its last window is the one before its first duel as incumbent
+            self._incumbent_windows, self._fresh = duel.windows[-1:], True
+            self._queue = self._neighbours(duel.challenger, only=duel.direction)
+        elif ratio >= 1 - MARGIN and duel.direction:    # a tie: look one step further
+            beyond = self._step(duel.challenger, duel.direction)
+            if beyond is not None and beyond not in self._tried:
+                self._queue.insert(0, (beyond, duel.direction))
+        elif duel.direction:                            # a loss: nothing further that way
+            self._queue = [(arm, d) for arm, d in self._queue if d != duel.direction]
+        if not self._queue:
+            self._reference = None
+
+    def _check_settled(self, window: Measure) -> None:
+        """The incumbent of a settled level against itself at settling; a recheck now and then."""
+        if self._reference is None:
+            self._reference = window
+            return
+        self._recheck_in -= 1
+        drifted = any(then > 0 and abs(now / then - 1) > _DRIFT for now, then in (
+            (window.ms / window.rounds, self._reference.ms / self._reference.rounds),
+            (window.tokens_per_round(), self._reference.tokens_per_round())))
+        if drifted:
+            self._recheck_period = _FIRST_RECHECK
+            self._start_climb()
+        elif self._recheck_in <= 0:
+            self._recheck_period = min(2 * self._recheck_period, _LAST_RECHECK)
+            self._start_climb()
+
+    def _start_climb(self) -> None:
+        self.climbs += 1
+        self._tried = {self.incumbent}
+        self._queue = self._neighbours(self.incumbent)
+        self._reference = None
+        self._recheck_in = self._recheck_period
+
+    def _neighbours(self, arm: Arm, only: int | None = None) -> list[tuple[Arm, int]]:
+        """Challengers of arm: one step down and one up the ladder, then the other overlap;
+        `only` keeps one direction (a climb does not go back the way it came)."""
+        out = [(self._step(arm, d), d) for d in (-1, 1) if only in (None, d)]
+        twin = Arm(arm.k, not arm.overlap)
+        if twin in self.arms and only in (None, 0):
+            out.append((twin, 0))
+        return [(a, d) for a, d in out if a is not None and a not in self._tried]
+
+    def _step(self, arm: Arm, direction: int) -> Arm | None:
+        ks = sorted({a.k for a in self.arms})
+        i = ks.index(arm.k) + direction
+        if not 0 <= i < len(ks):
+            return None
+        same = Arm(ks[i], arm.overlap)
+        return same if same in self.arms else Arm(ks[i], False)
+
+    def describe(self) -> dict:
+        return {"choice": self.incumbent.name, "k": self.incumbent.k, "overlap": self.incumbent.overlap,
+                "running": self.running.name, "settled": self.settled, "settled_after_rounds": self.settled_after,
+                "rounds": self.rounds, "climbs": self.climbs, "changes": self.changes,
+                "tokens_per_s": {arm.name: round(m.tokens_per_s(), 1) for arm, m in sorted(self.table.items())}}
+
+
+def _pooled(windows: list[Measure]) -> Measure:
+    total = Measure()
+    for window in windows:
+        total = total + window
+    return total
+
+
+def ladder(min_k: int, max_k: int, k: int, overlap_auto: bool) -> list[Arm]:
+    ks = sorted({v for v in _LADDER if min_k <= v <= max_k} | {min_k, max_k, k})
+    return [Arm(v, o) for v in ks for o in ((False, True) if overlap_auto and v else (False,))]
+
+
+class KController:
+    """A router's adaptive choice: a LevelClimb per load level, the level from the smoothed
+    load. Every measured round of the router (fixed k ones too) fills its level's table and
+    the keep chances; only adaptive rounds that ran the level's current arm move a climb."""
+
+    def __init__(self, min_k: int, max_k: int, start_k: int, overlap: bool | str = False):
+        self.min_k, self.max_k = min_k, max_k
+        self.overlap_auto = overlap == "auto"
+        self.default_overlap = overlap is True
+        self.arms = ladder(min_k, max_k, start_k, self.overlap_auto)
+        self.start = Arm(start_k)
+        self.keep = KeepChances(max_k)
+        self.prior = CostModel(self.keep)     # its profiles come from the pools (router/speculation.py)
+        self.levels: dict[int, LevelClimb] = {}
+        self.load: float | None = None
+
+    def note_load(self, in_flight: int) -> int:
+        """A round starts with `in_flight` sequences at the router: the level it runs at."""
+        self.load = in_flight if self.load is None else (1 - _LOAD_WEIGHT) * self.load + _LOAD_WEIGHT * in_flight
+        return level_of(self.load)
+
+    @property
+    def level(self) -> int:
+        return level_of(self.load or 1)
+
+    @property
+    def current(self) -> Arm:
+        return self.choose(self.level, self.max_k)
+
+    def climb(self, level: int) -> LevelClimb:
+        if level not in self.levels:
+            self.levels[level] = LevelClimb(self.arms, self._start_for(level), self.keep.expected_tokens)
+        return self.levels[level]
+
+    def choose(self, level: int, cap: int) -> Arm:
+        """The arm an adaptive round at `level` runs: its k within [min_k, max_k] and the
+        request's cap, and overlap only where it is auto, whatever the climb's state says."""
+        arm = self.climb(level).running
+        k = min(max(arm.k, self.min_k), self.max_k, max(cap, 0))
+        return Arm(k, arm.overlap and self.overlap_auto and k > 0)
+
+    def overlap_for(self, arm: Arm) -> bool:
+        return arm.overlap if self.overlap_auto else self.default_overlap
+
+    def observe(self, level: int, arm: Arm, drafted: int, accepted: int, round_ms: float, model_ms: float,
+                in_flight: int, adaptive: bool, measured: bool) -> None:
+        """A finished round that asked for `arm` and verified `drafted` drafts; `measured` is
+        false for a request's first round and for one its end cut short."""
+        if drafted:
+            self.keep.observe(drafted, accepted)
+        self.prior.observe(bool(drafted), round_ms, model_ms)
+        if not measured or not math.isfinite(round_ms) or round_ms <= 0:
+            return
+        arm = Arm(arm.k, arm.overlap and arm.k > 0 and self.overlap_auto)
+        climb = self.climb(level)
+        climb.record(arm, accepted + 1, round_ms, in_flight)
+        if adaptive:
+            climb.observe(arm, accepted + 1, round_ms, in_flight)
+
+    def _start_for(self, level: int) -> Arm:
+        """A level's first arm: the choice of the nearest level known, else the prior's."""
+        if self.levels:
+            nearest = min(self.levels, key=lambda other: (abs(other - level), other))
+            return self.levels[nearest].incumbent
+        guess = self.prior.best_k(LEVEL_EDGES[level], sorted({arm.k for arm in self.arms}))
+        if guess is not None:
+            return Arm(guess)
+        return self.start
+
+    def describe(self) -> dict:
+        ks = sorted({arm.k for arm in self.arms})
+        return {"level": level_name(self.level), "k": self.current.k, "overlap": self.current.overlap,
+                "load": round(self.load, 2) if self.load is not None else None,
+                "keep_chances": [round(h, 3) for h in self.keep.chances()],
+                "levels": {level_name(level): climb.describe() for level, climb in sorted(self.levels.items())},
+                "prior": self.prior.describe(ks, LEVEL_EDGES[self.level])}
