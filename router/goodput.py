@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 _PRIOR_KEEP = 0.7           # h_i before any round looked at draft i
 _PRIOR_ROUNDS = 2.0         # the prior counts as this many rounds
-_KEEP_DECAY = 0.005         # per round: about the last 200 rounds count
+_KEEP_DECAY = 0.01          # per round: about the last 100 rounds count
 _KEEP_CAP = 0.98
 _EMA = 0.03
 

@@ -8,10 +8,10 @@ Terms:
   "auto", whether it drafts the next window during verification (router/lookahead.py).
   The k of the arms form a ladder, 0 1 2 4 6 8 12 16 ... within [min_k, max_k] plus the
   configured k: steps large enough for neighbours to differ by more than the noise.
-- load level: the router's sequences in flight, smoothed over its recent rounds (an EMA of
-  weight 1/16), rounded and bucketed: 1 | 2 | 3-5 | 6-11 | 12-23 | 24+. Each level is about
-  twice the one before, with a power of two in its middle, so that 8 closed-loop clients,
-  which drop to 7 in flight between requests, stay in one level.
+- load level: the router's sequences in flight when a round starts, bucketed: 1 | 2 | 3-5 |
+  6-11 | 12-23 | 24+. Each level is about twice the one before, with a power of two in its
+  middle, so that 8 closed-loop clients, which drop to 7 in flight between requests, stay
+  in one level; the router stays at its level while the load is within a slack of it.
 - throughput of an arm at a level: tokens per ms over its rounds' wall time (a ratio of
   sums), times the mean sequences in flight: the tokens per second the router emits across
   its sequences. A request's first round (its prefill) and a round cut short by the
@@ -31,8 +31,8 @@ windows on both sides of it, which cancels a drift of the machine's speed. Then:
 - better by more than the margin: a second window each, and taken if the pooled windows
   still say so; the climb goes on in that direction.
 When no challenger is left the level is settled: the incumbent runs, checked against its own
-throughput and tokens per round at settling; a change of more than a quarter (acceptance or
-contention moved) starts a climb again, and so does a recheck every 8, 16, then 32 windows
+round time and E(k) at settling; a change of more than a quarter (acceptance or contention
+moved) starts a climb again, and so does a recheck every 8, 16, then 32 windows
 (doubling while rechecks keep the incumbent). A level met for the first time starts from the
 nearest known level's choice, or from the prior (the predicted cost model, router/goodput.py);
 a level met again starts from its own choice.
@@ -41,18 +41,21 @@ a level met again starts from its own choice.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
-from router.goodput import CostModel, KeepChances
+from router.goodput import CostModel, Ema, KeepChances
 
 LEVEL_EDGES = (1, 2, 3, 6, 12, 24)     # a level holds rounded loads in [edge_i, edge_i+1)
-_LOAD_WEIGHT = 1 / 16
 _LADDER = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32)
 MARGIN = 0.04
 _Z = 2.0                                # and by two standard errors
-_DECISIVE, _Z_DECISIVE = 0.10, 3.0      # taken after one window when better by this much
-_MIN_WINDOW = 64
-_WINDOW_PER_SEQUENCE = 4
+_MOST_PAIRS = 4                         # challenger windows a duel may take to be clear
+_PRIOR_WINDOW_NOISE = 0.05              # sd of the log ratio of two windows of one arm, until measured
+_NOISE_WEIGHT = 0.2
+_MIN_WINDOW_ROUNDS = 32
+_MIN_WINDOW_S = 1.0                     # the machine's speed wanders over seconds: average over one
+_PAUSE_S = 2.0                          # a gap this long between rounds ends the windows being compared
 _DRIFT = 0.25
 _FIRST_RECHECK, _LAST_RECHECK = 8, 32   # windows between rechecks of a settled level
 _TABLE_DECAY = 1 / 512                  # per measured round: the table shows about the last 500
@@ -71,6 +74,16 @@ class Arm:
 def level_of(load: float) -> int:
     n = max(round(load), 1)
     return max(i for i, edge in enumerate(LEVEL_EDGES) if n >= edge)
+
+
+def within_level(level: int, in_flight: int) -> bool:
+    """Whether `in_flight` lies in the level or within its slack, an eighth of its lower edge
+    (at least 1) on either side: a closed loop of 8 clients, 7 in flight between requests,
+    or of 2 clients, 1 in flight, stays where it is."""
+    low = LEVEL_EDGES[level]
+    high = LEVEL_EDGES[level + 1] - 1 if level + 1 < len(LEVEL_EDGES) else math.inf
+    slack = max(1, low // 8)
+    return low - slack <= in_flight <= high + slack
 
 
 def level_name(level: int) -> str:
@@ -132,7 +145,6 @@ class _Duel:
     direction: int                       # +1 / -1 along the ladder, 0 for the other overlap
     plan: list[str] = field(default_factory=lambda: ["challenger", "incumbent"])   # windows to run
     windows: list[Measure] = field(default_factory=list)                          # the challenger's
-    confirming: bool = False
 
 
 class LevelClimb:
@@ -152,8 +164,10 @@ class LevelClimb:
         self._incumbent_windows: list[Measure] = []   # the incumbent's last windows, oldest first
         self._fresh = False                    # the last window was the incumbent's
         self._window = Measure()
+        self._window_started = self._last_round_at = 0.0
         self._skip = 0
-        self._reference: Measure | None = None   # the incumbent's first window once settled
+        self._window_noise = Ema(weight=_NOISE_WEIGHT)   # (log ratio of successive incumbent windows)^2
+        self._reference: tuple[float, float] | None = None   # ms a round, E(k) at settling
         self._recheck_in = self._recheck_period = _FIRST_RECHECK
         self._start_climb()
 
@@ -172,20 +186,39 @@ class LevelClimb:
             measure.scale(1 - _TABLE_DECAY)
         self.table.setdefault(arm, Measure()).add(tokens, ms, in_flight)
 
-    def observe(self, arm: Arm, tokens: int, ms: float, in_flight: int) -> None:
-        """A measured adaptive round that ran `arm` here."""
+    def observe(self, arm: Arm, tokens: int, ms: float, in_flight: int, now: float) -> None:
+        """A measured adaptive round that ran `arm` here and ended at `now` (seconds)."""
         self.rounds += 1
+        if now - self._last_round_at > _PAUSE_S:
+            self._paused()
+        self._last_round_at = now
         if arm != self.running:
             return                           # it started before the last switch
         if self._skip > 0:
             self._skip -= 1
             return
+        if not self._window.rounds:
+            self._window_started = now
         self._window.add(tokens, ms, in_flight)
-        if self._window.rounds >= max(_MIN_WINDOW, _WINDOW_PER_SEQUENCE * in_flight):
+        if self._window.rounds >= _MIN_WINDOW_ROUNDS and now - self._window_started >= _MIN_WINDOW_S:
             before, window, self._window = self.running, self._window, Measure()
             self._finished(window)
             if self.running != before:
                 self._skip = in_flight       # their next rounds share batches with the old arm's
+
+    def _paused(self) -> None:
+        """The level saw no rounds for a while (its load went elsewhere): windows from before
+        are not compared with windows after. A first climb goes on where it was, its duel
+        under way from the start; a settled level's recheck is dropped, so that coming back
+        to the level runs its choice, and the next recheck comes at its usual time."""
+        self._window, self._skip = Measure(), 0
+        self._incumbent_windows, self._fresh = [], False
+        if self.settled_after is not None:
+            self._queue, self._duel, self._reference = [], None, None
+            self._recheck_in = self._recheck_period
+        elif self._duel is not None:
+            self._queue.insert(0, (self._duel.challenger, self._duel.direction))
+            self._duel = None
 
     def _finished(self, window: Measure) -> None:
         duel = self._duel
@@ -194,7 +227,9 @@ class LevelClimb:
             duel.windows.append(window)
             self._fresh = False
             return
-        self._incumbent_windows = (self._incumbent_windows + [window])[-4:]
+        if self._incumbent_windows:
+            self._window_noise.add(math.log(window.goodput(1.0) / self._incumbent_windows[-1].goodput(1.0)) ** 2)
+        self._incumbent_windows = (self._incumbent_windows + [window])[-(_MOST_PAIRS + 1):]
         self._fresh = True
         if duel is not None and not duel.plan:
             self._judge(duel)
@@ -208,18 +243,24 @@ class LevelClimb:
             self.settled_after = self.rounds
 
     def _judge(self, duel: _Duel) -> None:
-        """The challenger's windows against the incumbent's on both sides of them."""
-        challenger, incumbent = _pooled(duel.windows), _pooled(self._incumbent_windows[-(len(duel.windows) + 1):])
+        """The challenger's windows against the incumbent's on both sides of them: another
+        pair of windows while the difference is within two standard errors, up to
+        _MOST_PAIRS; then a win, a loss or a tie."""
+        pairs = len(duel.windows)
+        challenger, incumbent = _pooled(duel.windows), _pooled(self._incumbent_windows[-(pairs + 1):])
         ratio = (challenger.goodput(self.expected_tokens(duel.challenger.k))
                  / max(incumbent.goodput(self.expected_tokens(self.incumbent.k)), 1e-9))
-        error = math.sqrt(challenger.relative_error_sq() + incumbent.relative_error_sq())
-        better = ratio > 1 + MARGIN and math.log(ratio) > _Z * error
-        decisive = ratio > 1 + _DECISIVE and math.log(ratio) > _Z_DECISIVE * error
-        if better and not (duel.confirming or decisive):
-            duel.confirming, duel.plan = True, ["challenger", "incumbent"]
+        # The error of the log ratio: from the spread of the incumbent's own windows (the
+        # machine's wandering speed), or from the rounds within them if that is larger.
+        per_window = self._window_noise.get(_PRIOR_WINDOW_NOISE ** 2) / 2
+        spread = per_window / pairs + per_window / (pairs + 1)
+        clear = abs(math.log(ratio)) > _Z * math.sqrt(max(spread, challenger.relative_error_sq()
+                                                          + incumbent.relative_error_sq()))
+        if not clear and abs(ratio - 1) > MARGIN and pairs < _MOST_PAIRS:
+            duel.plan = ["challenger", "incumbent"]
             return
         self._duel = None
-        if better:
+        if ratio > 1 + MARGIN and clear:
             self.incumbent = duel.challenger
             self.changes += 1
             # its last window is the one before its first duel as incumbent
@@ -236,13 +277,12 @@ class LevelClimb:
 
     def _check_settled(self, window: Measure) -> None:
         """The incumbent of a settled level against itself at settling; a recheck now and then."""
+        now = (window.ms / window.rounds, self.expected_tokens(self.incumbent.k))
         if self._reference is None:
-            self._reference = window
+            self._reference = now
             return
         self._recheck_in -= 1
-        drifted = any(then > 0 and abs(now / then - 1) > _DRIFT for now, then in (
-            (window.ms / window.rounds, self._reference.ms / self._reference.rounds),
-            (window.tokens_per_round(), self._reference.tokens_per_round())))
+        drifted = any(abs(a / b - 1) > _DRIFT for a, b in zip(now, self._reference))
         if drifted:
             self._recheck_period = _FIRST_RECHECK
             self._start_climb()
@@ -278,6 +318,7 @@ class LevelClimb:
         return {"choice": self.incumbent.name, "k": self.incumbent.k, "overlap": self.incumbent.overlap,
                 "running": self.running.name, "settled": self.settled, "settled_after_rounds": self.settled_after,
                 "rounds": self.rounds, "climbs": self.climbs, "changes": self.changes,
+                "window_noise": round(math.sqrt(self._window_noise.get(_PRIOR_WINDOW_NOISE ** 2) / 2), 4),
                 "tokens_per_s": {arm.name: round(m.tokens_per_s(), 1) for arm, m in sorted(self.table.items())}}
 
 
@@ -307,16 +348,20 @@ class KController:
         self.keep = KeepChances(max_k)
         self.prior = CostModel(self.keep)     # its profiles come from the pools (router/speculation.py)
         self.levels: dict[int, LevelClimb] = {}
-        self.load: float | None = None
+        self.load: int | None = None           # sequences in flight at the last round's start
+        self._level: int | None = None
 
     def note_load(self, in_flight: int) -> int:
-        """A round starts with `in_flight` sequences at the router: the level it runs at."""
-        self.load = in_flight if self.load is None else (1 - _LOAD_WEIGHT) * self.load + _LOAD_WEIGHT * in_flight
-        return level_of(self.load)
+        """A round starts with `in_flight` sequences at the router: the level it runs at, the
+        level before while the load stays within its slack."""
+        self.load = in_flight
+        if self._level is None or not within_level(self._level, in_flight):
+            self._level = level_of(in_flight)
+        return self._level
 
     @property
     def level(self) -> int:
-        return level_of(self.load or 1)
+        return self._level or 0
 
     @property
     def current(self) -> Arm:
@@ -338,25 +383,29 @@ class KController:
         return arm.overlap if self.overlap_auto else self.default_overlap
 
     def observe(self, level: int, arm: Arm, drafted: int, accepted: int, round_ms: float, model_ms: float,
-                in_flight: int, adaptive: bool, measured: bool) -> None:
+                in_flight: int, adaptive: bool, measured: bool, now: float | None = None) -> None:
         """A finished round that asked for `arm` and verified `drafted` drafts; `measured` is
-        false for a request's first round and for one its end cut short."""
+        false for a request's first round and for one its end cut short. A round whose load
+        lies outside its level measures nothing either (the load rose or fell past it)."""
         if drafted:
             self.keep.observe(drafted, accepted)
         self.prior.observe(bool(drafted), round_ms, model_ms)
-        if not measured or not math.isfinite(round_ms) or round_ms <= 0:
+        if not measured or not within_level(level, in_flight) or not math.isfinite(round_ms) or round_ms <= 0:
             return
         arm = Arm(arm.k, arm.overlap and arm.k > 0 and self.overlap_auto)
         climb = self.climb(level)
         climb.record(arm, accepted + 1, round_ms, in_flight)
         if adaptive:
-            climb.observe(arm, accepted + 1, round_ms, in_flight)
+            climb.observe(arm, accepted + 1, round_ms, in_flight, time.monotonic() if now is None else now)
 
     def _start_for(self, level: int) -> Arm:
-        """A level's first arm: the choice of the nearest level known, else the prior's."""
+        """A level's first arm: the choice of the nearest level known, one step down the
+        ladder for a heavier load and up for a lighter one (the best k does not grow with
+        load: each extra position of a verify costs more in a fuller batch); else the prior's."""
         if self.levels:
             nearest = min(self.levels, key=lambda other: (abs(other - level), other))
-            return self.levels[nearest].incumbent
+            known = self.levels[nearest]
+            return known._step(known.incumbent, -1 if level > nearest else 1) or known.incumbent
         guess = self.prior.best_k(LEVEL_EDGES[level], sorted({arm.k for arm in self.arms}))
         if guess is not None:
             return Arm(guess)
@@ -365,7 +414,7 @@ class KController:
     def describe(self) -> dict:
         ks = sorted({arm.k for arm in self.arms})
         return {"level": level_name(self.level), "k": self.current.k, "overlap": self.current.overlap,
-                "load": round(self.load, 2) if self.load is not None else None,
+                "load": self.load,
                 "keep_chances": [round(h, 3) for h in self.keep.chances()],
                 "levels": {level_name(level): climb.describe() for level, climb in sorted(self.levels.items())},
                 "prior": self.prior.describe(ks, LEVEL_EDGES[self.level])}

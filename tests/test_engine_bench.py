@@ -44,8 +44,9 @@ def test_a_named_size_has_the_shape_of_its_model():
 
 
 def test_acceptance_rules_keep_what_their_formulas_say():
-    """A draft identical to the target: drafts sampled with q are always kept; greedy drafts
-    judged one-hot are kept with the target's top probability, less than 1."""
+    """A draft identical to the target: drafts sampled with q are always kept, and so are
+    seeded drafts under shared noise (the same choice); greedy drafts judged one-hot are kept
+    with the target's top probability, less than 1."""
     import torch
 
     from cluster.bench.acceptance_rules import keep_rates
@@ -56,5 +57,7 @@ def test_acceptance_rules_keep_what_their_formulas_say():
     rates = keep_rates(model, model, prompts, temperature=1.0)
     with torch.inference_mode():
         top = torch.cat([torch.softmax(model(torch.tensor([p])).logits[0, 20:], -1).max(-1).values for p in prompts])
-    assert rates["sampled_draft_with_q"] == 1.0
+    assert rates["sampled_draft_with_q"] == 1.0 == rates["seeded_gumbel_shared_noise"]
     assert rates["greedy_draft_one_hot"] == round(top.mean().item(), 4) < 1.0
+    other = keep_rates(model, tiny_llama("draft", 64, eos_token_id=0, seed=4), prompts, temperature=1.0)
+    assert other["seeded_gumbel_shared_noise"] <= other["sampled_draft_with_q"] + 0.02     # at most 1 - TV

@@ -426,6 +426,38 @@ def test_chat_same_seed_same_sample(apps):
     assert a["token_ids"] != c["token_ids"]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_seed_gives_the_same_tokens_whatever_k_overlap_and_batch(apps, endpoint):
+    """Seeded sampling by Gumbel-max with public noise (replicas/gumbel.py): the tokens are
+    fixed by the seed, whatever k, overlap, the adaptive choice or the batch around them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = apps["perturbed"]
+    send = complete if endpoint == "completions" else chat
+
+    batches = []
+
+    def seeded(speculation=None, seed=2024) -> list[int]:
+        extra = {} if speculation is None else {"speculation": speculation}
+        out = send(url, temperature=0.8, top_p=0.9, seed=seed, max_tokens=24, return_token_ids=True, **extra)
+        batches.append(out["speculation"]["mean_verify_batch"])
+        return out["choices"][0]["token_ids"]
+
+    alone = seeded({"enabled": False})
+    assert len(set(alone)) > 3 and seeded({"enabled": False}, seed=2025) != alone
+    for k in (1, 3, 5):
+        for overlap in (True, False):
+            assert seeded({"k": k, "overlap": overlap}) == alone, (k, overlap)
+    assert seeded() == alone                                   # the router's own choice of k
+    with ThreadPoolExecutor(8) as pool:                        # in a batch of 8, with k = 3
+        others = [pool.submit(send, url, prompt=f"x = {i}\n", temperature=1.0, max_tokens=24) if
+                  endpoint == "completions" else pool.submit(send, url, temperature=1.0, max_tokens=24)
+                  for i in range(7)]
+        batched = pool.submit(seeded, {"k": 3})
+        assert batched.result() == alone and batches[-1] > 1.5
+        assert all(o.result()["usage"]["completion_tokens"] > 0 for o in others)
+
+
 # ---------------------------------------------------------------- the context length caps generation
 
 def ids(n: int) -> list[int]:

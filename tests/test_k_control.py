@@ -27,10 +27,13 @@ class SimulatedCluster:
     coordination_ms: float = 2.0
     noise: float = 0.2
     overlap_saves: float = 0.0          # share of the draft time a lookahead hides
+    drift: float = 0.0                  # sd of the machine's log speed, wandering over about a second
     seed: int = 0
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)
+        self.clock = 0.0                # seconds
+        self._log_speed = 0.0
 
     def mean_ms(self, arm: Arm, load: int) -> float:
         draft = arm.k * (self.draft_fixed_ms + self.draft_per_row_ms * load)
@@ -50,30 +53,40 @@ class SimulatedCluster:
         return max(arms, key=lambda arm: self.throughput(arm, load))
 
     def round(self, arm: Arm, load: int) -> tuple[int, float]:
+        """One sequence's round: its tokens and wall ms. `load` sequences round side by side,
+        so the clock moves on by a load-th of it."""
         kept = 0
         while kept < arm.k and self.rng.random() < self.keep:
             kept += 1
-        return kept + 1, self.mean_ms(arm, load) * math.exp(self.rng.gauss(0, self.noise) - self.noise ** 2 / 2)
+        ms = self.mean_ms(arm, load) * math.exp(self.rng.gauss(0, self.noise) - self.noise ** 2 / 2 + self._log_speed)
+        self.clock += ms / load / 1000
+        pull = min(ms / load / 1000, 1.0)             # an AR(1) walk with a correlation time of 1 s
+        self._log_speed += -pull * self._log_speed + self.drift * math.sqrt(2 * pull) * self.rng.gauss(0, 1)
+        return kept + 1, ms
 
 
 def compute_bound(**kw) -> SimulatedCluster:
-    return SimulatedCluster(verify_fixed_ms=1.0, verify_per_position_ms=0.5, draft_fixed_ms=0.3,
-                            draft_per_row_ms=0.05, keep=0.75, **kw)
+    """Fitted to the default cluster on this 2-core CPU (docs/BENCHMARKS.md): the target alone
+    about 75 tok/s at 1 client, 300 at 8, 420 at 32; k = 4 about 95 at 1 client."""
+    return SimulatedCluster(verify_fixed_ms=8.0, verify_per_position_ms=2.0, draft_fixed_ms=2.0,
+                            draft_per_row_ms=0.2, keep=0.75, coordination_ms=3.0, **kw)
 
 
 def memory_bound(**kw) -> SimulatedCluster:
-    return SimulatedCluster(verify_fixed_ms=20.0, verify_per_position_ms=0.01, draft_fixed_ms=1.0,
+    """A large target on a GPU: a verify of k + 1 positions costs about one decode step."""
+    return SimulatedCluster(verify_fixed_ms=25.0, verify_per_position_ms=0.02, draft_fixed_ms=1.5,
                             draft_per_row_ms=0.01, keep=0.85, **kw)
 
 
-def drive(control: KController, cluster: SimulatedCluster, load: int, rounds: int) -> list[Arm]:
-    """Rounds as a router reports them; the arm of each."""
-    arms = []
-    for _ in range(rounds):
+def drive(control: KController, cluster: SimulatedCluster, load: int, seconds: float) -> list[Arm]:
+    """Rounds as a router reports them, for `seconds` of the cluster's clock; the arm of each."""
+    arms, end = [], cluster.clock + seconds
+    while cluster.clock < end:
         level = control.note_load(load)
         arm = control.choose(level, cap=64)
         tokens, ms = cluster.round(arm, load)
-        control.observe(level, arm, arm.k, tokens - 1, ms, 0.0, load, adaptive=True, measured=True)
+        control.observe(level, arm, arm.k, tokens - 1, ms, 0.0, load, adaptive=True, measured=True,
+                        now=cluster.clock)
         arms.append(arm)
     return arms
 
@@ -97,35 +110,36 @@ def test_the_simulated_clusters_differ_as_their_hardware_does():
     assert memory_bound().best(arms, 16).k == 8
 
 
+@pytest.mark.parametrize("drift", [0.0, 0.15], ids=["steady", "drifting"])
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("kind,load", [("compute", 1), ("compute", 16), ("memory", 1), ("memory", 16)])
-def test_it_settles_near_the_best_arm_within_a_bounded_number_of_rounds(kind, load, seed):
-    cluster = (compute_bound if kind == "compute" else memory_bound)(seed=seed)
+@pytest.mark.parametrize("kind,load", [("compute", 1), ("compute", 8), ("compute", 32), ("memory", 1),
+                                       ("memory", 16)])
+def test_it_settles_near_the_best_arm_within_a_bounded_number_of_rounds(kind, load, seed, drift):
+    cluster = (compute_bound if kind == "compute" else memory_bound)(seed=seed, drift=drift)
     control = controller()
-    arms = drive(control, cluster, load, 4000)
+    arms = drive(control, cluster, load, 60.0)
     climb = control.levels[level_of(load)]
     best = cluster.best(control.arms, load)
-    assert climb.settled_after is not None and climb.settled_after <= 2000
-    # what it chose, and what its last 2000 rounds got (rechecks included): within 6 %, the
-    # difference a window of 64 rounds at 20 % noise can tell with its margin
-    assert cluster.throughput(climb.incumbent, load) >= 0.94 * cluster.throughput(best, load)
-    assert realised(cluster, arms[-2000:], load) >= 0.94 * cluster.throughput(best, load)
-
-
-def test_compute_bound_under_load_turns_speculation_off_and_memory_bound_goes_far():
-    cpu, gpu = controller(), controller()
-    drive(cpu, compute_bound(seed=5), 16, 3000)
-    drive(gpu, memory_bound(seed=5), 1, 3000)
-    assert cpu.levels[level_of(16)].incumbent.k == 0
-    assert gpu.levels[level_of(1)].incumbent.k >= 6
+    # within 20 s, or 30 s where the machine's speed wanders (more windows to tell arms apart)
+    assert climb.settled_after is not None and climb.settled_after <= len(arms) / (2 if drift else 3)
+    if kind == "compute" and load > 1:
+        assert climb.incumbent.k <= 1        # verifying positions costs what decoding them does
+    if kind == "memory":
+        assert climb.incumbent.k >= 6        # a verify costs one step: draft far
+    # what it chose, and what its last 30 s got (rechecks included): within 6 %, the difference
+    # one-second windows of rounds with 20 % noise tell apart with its margin; within 10 %
+    # where the machine's speed wanders by 15 % over seconds as well
+    near = 0.90 if drift else 0.94
+    assert cluster.throughput(climb.incumbent, load) >= near * cluster.throughput(best, load)
+    assert realised(cluster, arms[len(arms) // 2:], load) >= near * cluster.throughput(best, load)
 
 
 def test_arms_within_noise_of_each_other_do_not_flap():
-    flat = SimulatedCluster(verify_fixed_ms=10.0, verify_per_position_ms=0.0, draft_fixed_ms=0.0,
-                            draft_per_row_ms=0.0, keep=0.0, coordination_ms=0.0, seed=3)
+    flat = SimulatedCluster(verify_fixed_ms=20.0, verify_per_position_ms=0.0, draft_fixed_ms=0.0,
+                            draft_per_row_ms=0.0, keep=0.0, coordination_ms=0.0, drift=0.15, seed=3)
     # keep 0: every arm yields one token a round at the same cost: all equal
     control = controller()
-    drive(control, flat, 8, 20000)
+    drive(control, flat, 8, 600.0)
     climb = control.levels[level_of(8)]
     assert climb.climbs >= 4                 # rechecked now and then...
     assert climb.changes <= 1                # ...without moving between equals
@@ -134,44 +148,57 @@ def test_arms_within_noise_of_each_other_do_not_flap():
 def test_a_load_change_mid_run_moves_the_choice_and_coming_back_remembers_it():
     cluster = compute_bound(seed=11)
     control = controller()
-    drive(control, cluster, 1, 3000)
+    drive(control, cluster, 1, 60.0)
     light = control.levels[level_of(1)].incumbent
     assert light.k >= 1
-    drive(control, cluster, 16, 3000)
+    drive(control, cluster, 16, 60.0)
     assert control.levels[level_of(16)].incumbent.k == 0
-    back = drive(control, cluster, 1, 400)
-    assert back[-100:].count(light) >= 90     # its own best again, without a new climb
-    assert control.levels[level_of(1)].changes == 0 or control.levels[level_of(1)].incumbent == light
+    back = drive(control, cluster, 1, 20.0)
+    assert back[len(back) // 5:].count(light) >= 0.85 * len(back[len(back) // 5:])   # its own best again
 
 
-def test_a_level_met_first_starts_from_the_nearest_known_choice():
+def test_a_level_met_first_starts_a_step_below_the_lighter_level_known():
     control = controller()
-    drive(control, memory_bound(seed=2), 1, 3000)
+    drive(control, memory_bound(seed=2), 1, 60.0)
     known = control.levels[level_of(1)].incumbent
-    level = control.note_load(2)
-    assert control.climb(level_of(3)).incumbent == known
+    assert known.k == 8
+    assert control.climb(level_of(3)).incumbent == Arm(6)
+    assert control.climb(level_of(2)).incumbent == Arm(6)      # nearest known: level 3-5, a step below
 
 
 def test_a_change_of_acceptance_at_a_settled_level_starts_a_new_climb():
     cluster = memory_bound(seed=4)
     control = controller()
-    drive(control, cluster, 1, 3000)
+    drive(control, cluster, 1, 60.0)
     assert control.levels[level_of(1)].incumbent.k >= 6
     cluster.keep = 0.02                      # the traffic changed: drafts are no longer kept
-    drive(control, cluster, 1, 3000)
+    drive(control, cluster, 1, 60.0)
     assert control.levels[level_of(1)].incumbent.k <= 1
 
 
 def test_overlap_is_one_more_neighbour_when_auto():
     # lookaheads hide most of the draft time: with overlap auto the climb takes it
-    cluster = SimulatedCluster(verify_fixed_ms=4.0, verify_per_position_ms=0.5, draft_fixed_ms=2.0,
+    cluster = SimulatedCluster(verify_fixed_ms=8.0, verify_per_position_ms=1.0, draft_fixed_ms=4.0,
                                draft_per_row_ms=0.0, keep=0.8, overlap_saves=0.8, seed=6)
     control = controller(overlap="auto")
-    arms = drive(control, cluster, 1, 4000)
+    arms = drive(control, cluster, 1, 60.0)
     assert control.levels[level_of(1)].incumbent.overlap
     assert any(not arm.overlap for arm in arms) and any(arm.overlap for arm in arms)
     fixed = controller(overlap=False)
-    assert not any(arm.overlap for arm in drive(fixed, cluster, 1, 2000))
+    assert not any(arm.overlap for arm in drive(fixed, cluster, 1, 30.0))
+
+
+def test_a_pause_restarts_the_duel_under_way():
+    """Windows measured before the level's load went elsewhere are not compared with windows after."""
+    control = controller()
+    cluster = compute_bound(seed=8)
+    drive(control, cluster, 1, 1.5)          # the incumbent's first window, the challenger's begun
+    climb = control.levels[level_of(1)]
+    assert climb.running != climb.incumbent
+    challenger = climb.running
+    cluster.clock += 30.0                    # the level sees nothing for a while
+    drive(control, cluster, 1, 0.1)
+    assert climb.running == climb.incumbent and climb._queue[0][0] == challenger
 
 
 def test_the_k_a_round_gets_is_bounded_whatever_the_state():
@@ -212,9 +239,9 @@ def test_climbs_move_only_on_adaptive_rounds_and_every_round_fills_the_table():
     for _ in range(500):
         arm = Arm(2)
         tokens, ms = cluster.round(arm, 1)
-        control.observe(level, arm, 2, tokens - 1, ms, 0.0, 1, adaptive=False, measured=True)
+        control.observe(level, arm, 2, tokens - 1, ms, 0.0, 1, adaptive=False, measured=True, now=cluster.clock)
     climb = control.climb(level)
     assert climb.rounds == 0 and climb.incumbent == Arm(4)
     assert climb.table[Arm(2)].rounds > 300
-    control.observe(level, Arm(2), 2, 1, 1.0, 0.0, 1, adaptive=True, measured=False)   # a first round
+    control.observe(level, Arm(2), 2, 1, 1.0, 0.0, 1, adaptive=True, measured=False, now=0.0)   # a first round
     assert climb.rounds == 0

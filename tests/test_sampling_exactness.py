@@ -54,11 +54,12 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
 
 
 def speculative_pairs(target, draft, params: SamplingParams, seed: int,
-                      samples: int = SAMPLES, verifier: TargetEngine | None = None) -> torch.Tensor:
+                      samples: int = SAMPLES, verifier: TargetEngine | None = None,
+                      k_of=lambda round_index, i: K) -> torch.Tensor:
     """Counts [V, V] of the first two tokens of `samples` speculative generations, run BATCH
     at a time through the batched engines (rows diverge in length after the first round, so
     the padded batch layout is part of what is tested). `verifier` defaults to the target
-    in this process."""
+    in this process; sequence i drafts k_of(round, i) tokens in a round (0: the target alone)."""
     drafts = DraftEngine.on_model(draft, max_cached_tokens=1000)
     verifier = verifier or TargetEngine.on_model(target, max_cached_tokens=1000)
     counts = torch.zeros(VOCAB, VOCAB)
@@ -68,7 +69,8 @@ def speculative_pairs(target, draft, params: SamplingParams, seed: int,
         while unfinished := [i for i, tokens in sequences.items() if len(tokens) < len(PROMPT) + 2]:
             seeds = {i: seed * 1_000_003 + i for i in unfinished}
             proposals = drafts.propose([ProposeRequest(
-                f"s{i}", sequences[i], K, params, round_seed(seeds[i], round_index, "draft")) for i in unfinished])
+                f"s{i}", sequences[i], k_of(round_index, i), params, round_seed(seeds[i], round_index, "draft"))
+                for i in unfinished])
             verdicts = verifier.verify([VerifyRequest(
                 f"s{i}", sequences[i], proposal.tokens, proposal.probs, params,
                 round_seed(seeds[i], round_index, "target")) for i, proposal in zip(unfinished, proposals)])
@@ -106,6 +108,15 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
     target, draft = pair
     params = SETTINGS[setting]
     counts = speculative_pairs(target, draft, params, seed=1)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_sampling_matches_target_distribution_while_k_changes_every_round(pair, setting):
+    """As the adaptive choice does: k differs between rounds and between the batch's rows."""
+    target, draft = pair
+    params = SETTINGS[setting]
+    counts = speculative_pairs(target, draft, params, seed=3, k_of=lambda r, i: (r + i) % 4)
     assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
 
 
