@@ -226,17 +226,19 @@ class PoolsConfig(Strict):
 class SpeculationConfig(Strict):
     enabled: bool = Field(True, description="Speculate unless a request turns it off; when false, no "
                                             "request can turn it on.")
-    adaptive: bool = Field(True, description="Choose k per sequence and round by goodput, between min_k and "
-                                             "max_k (router/goodput.py), unless a request fixes k.")
+    adaptive: bool = Field(True, description="Choose k per router and load level by the throughput its rounds "
+                                             "measure, between min_k and max_k (router/k_control.py), unless a "
+                                             "request fixes k.")
     min_k: int = Field(0, ge=0, description="Smallest k the adaptive choice may make (0: it may turn "
                                             "speculation off for a round).")
     max_k: int = Field(8, ge=1, description="Largest k a request may ask for or the adaptive choice make.")
-    k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off, or until the "
+    k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off; with adaptive on, one of "
+                                        "the k tried, and where the first load level starts until the "
                                         "replicas' cost profiles are known.")
     overlap: Literal[False, True, "auto"] = Field(
         False, description="While a window is verified, draft the next one from the guess that the whole window "
-                            "is kept (router/lookahead.py). 'auto': each router turns it on or off by the goodput "
-                            "it measures in both modes (router/goodput.py); it pays while the draft pool would "
+                            "is kept (router/lookahead.py). 'auto': on or off is chosen with k, by the throughput "
+                            "each router measures (router/k_control.py); it pays while the draft pool would "
                             "idle during verifies (docs/BENCHMARKS.md). A request may fix it, unless it is false "
                             "here.")
 

@@ -24,11 +24,12 @@ Terms, for the rounds of this router's sequences:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _PRIOR_KEEP = 0.7           # h_i before any round looked at draft i
 _PRIOR_ROUNDS = 2.0         # the prior counts as this many rounds
-_KEEP_DECAY = 0.01          # per round: about the last 100 rounds count
+_KEEP_DECAY = 0.005         # per round: about the last 200 rounds count
 _KEEP_CAP = 0.98
 _EMA = 0.03
 
@@ -76,6 +77,23 @@ class KeepChances:
             all_kept *= h
             total += all_kept
         return total
+
+    def relative_variance(self, k: int) -> float:
+        """Var(E(k)) / E(k)^2 by the delta method: h_i as a binomial share of the rounds that
+        looked at draft i, counted as twice their decayed count (the effective sample size of
+        geometric weights: (sum w)^2 / sum w^2 = (1 + r) / (1 - r) against sum w = 1 / (1 - r)).
+        dE/dh_i = h_1 ... h_(i-1) (1 + h_(i+1) + h_(i+1) h_(i+2) + ... )."""
+        h = self.chances()[:k]
+        total = 0.0
+        for i in range(k):
+            before = math.prod(h[:i])
+            after, run = 1.0, 1.0
+            for later in h[i + 1:]:
+                run *= later
+                after += run
+            samples = 2 * self.looked[i + 1] + _PRIOR_ROUNDS
+            total += (before * after) ** 2 * h[i] * (1 - h[i]) / samples
+        return total / self.expected_tokens(k) ** 2
 
 
 @dataclass(frozen=True)

@@ -12,30 +12,43 @@ Terms:
   6-11 | 12-23 | 24+. Each level is about twice the one before, with a power of two in its
   middle, so that 8 closed-loop clients, which drop to 7 in flight between requests, stay
   in one level; the router stays at its level while the load is within a slack of it.
-- throughput of an arm at a level: tokens per ms over its rounds' wall time (a ratio of
-  sums), times the mean sequences in flight: the tokens per second the router emits across
-  its sequences. A request's first round (its prefill) and a round cut short by the
-  request's end are left out: they cost the same under every arm.
-- window: W measured rounds of one arm, W = max(64, 6 x sequences in flight), after the
-  first in-flight rounds of that arm (they share batches with the arm before).
+- goodput of an arm at a level: E(k) tokens a round (router/goodput.py: measured keep
+  chances, far less noisy than a window's own token count) times the rounds per ms of its
+  rounds' wall time (a ratio of sums), times the mean sequences in flight: the tokens per
+  second the router emits across its sequences. A request's first round (its prefill), a
+  round cut short by the request's end, and a round whose load lies outside the level are
+  left out: they say nothing about the arm at this load. Every such round of the router
+  (fixed-k requests too) fills the level's table of measured tokens per second by arm.
+- window: at least 32 adaptive rounds of one arm over at least one second (the machine's
+  speed wanders over seconds; a fraction of a second measures that, not the arm), after
+  the first in-flight rounds of the arm (they share batches with the arm before).
 
 Per level, a climb over the arms (a hill climb, chosen over a bandit because neighbouring
-k differ smoothly and it needs no prior over all arms: each trial costs at most one window
-of a neighbour, which is close to the best when the best is near). The incumbent runs a
-window, then a challenger (a neighbour on the ladder, or the other overlap), then the
-incumbent again; the challenger's window is compared with the mean of the incumbent's
-windows on both sides of it, which cancels a drift of the machine's speed. Then:
+k differ smoothly and it needs no prior over all arms: a trial costs windows of a neighbour,
+which is close to the best when the best is near). The incumbent runs a window, then a
+challenger (a neighbour on the ladder, or the other overlap), then the incumbent again: the
+challenger's windows are compared with the incumbent's on both sides of them, which cancels
+a steady drift of the machine's speed. The comparison's error comes from the spread of the
+incumbent's own successive windows (or from its rounds, if larger); while the difference is
+within two errors, another pair of windows is run, up to four. Then:
 - worse by more than the margin (4 %): rejected, and so is everything beyond it;
-- within the margin: a tie, not taken (no flapping between arms within noise of each other),
-  but the arm beyond it is tried too (a slope too gentle to see in one step);
-- better by more than the margin: a second window each, and taken if the pooled windows
-  still say so; the climb goes on in that direction.
+- within the margin, or not clear after four pairs: a tie. A tie with the target alone (k =
+  0, a challenger in every climb) goes to it, and so does a tie with a smaller k whose
+  deficit, if any, is surely under the margin: as fast with fewer drafts is less draft-pool
+  work and no bet on acceptance, and speculation must beat the target alone, not just tie
+  it. Other ties are not taken (no flapping between arms within noise of each other); where
+  the challenger measured at least as fast, the arm beyond it is tried too (a slope too
+  gentle to see in one step);
+- better by more than the margin and clear, over two pairs at least: taken; the climb goes
+  on in that direction.
 When no challenger is left the level is settled: the incumbent runs, checked against its own
 round time and E(k) at settling; a change of more than a quarter (acceptance or contention
-moved) starts a climb again, and so does a recheck every 8, 16, then 32 windows
-(doubling while rechecks keep the incumbent). A level met for the first time starts from the
-nearest known level's choice, or from the prior (the predicted cost model, router/goodput.py);
-a level met again starts from its own choice.
+moved) starts a climb again, and so does a recheck every 8, 16, then 32 windows (doubling
+while rechecks keep the incumbent). A level met for the first time starts a step down the
+ladder from the nearest known level's choice if its load is heavier (up if lighter), or
+from the prior (the predicted cost model, router/goodput.py) if none is known; a level met
+again starts from its own choice, and a recheck it was in when its load went elsewhere is
+dropped (windows seconds apart would be compared).
 """
 
 from __future__ import annotations
@@ -50,10 +63,13 @@ LEVEL_EDGES = (1, 2, 3, 6, 12, 24)     # a level holds rounded loads in [edge_i,
 _LADDER = (0, 1, 2, 4, 6, 8, 12, 16, 24, 32)
 MARGIN = 0.04
 _Z = 2.0                                # and by two standard errors
+_ALONE = -2                             # the direction of the target-alone check: no loss blocks it
 _MOST_PAIRS = 4                         # challenger windows a duel may take to be clear
 _PRIOR_WINDOW_NOISE = 0.05              # sd of the log ratio of two windows of one arm, until measured
 _NOISE_WEIGHT = 0.2
 _MIN_WINDOW_ROUNDS = 32
+_WINDOW_ROUNDS_PER_SEQUENCE = 8         # a window spans at least 8 rounds of every sequence
+_SETTLE_ROUNDS_PER_SEQUENCE = 2         # rounds of every sequence after a switch that are not measured
 _MIN_WINDOW_S = 1.0                     # the machine's speed wanders over seconds: average over one
 _PAUSE_S = 2.0                          # a gap this long between rounds ends the windows being compared
 _DRIFT = 0.25
@@ -142,7 +158,7 @@ class Measure:
 @dataclass
 class _Duel:
     challenger: Arm
-    direction: int                       # +1 / -1 along the ladder, 0 for the other overlap
+    direction: int                       # +1 / -1 along the ladder, 0 the other overlap, _ALONE k = 0
     plan: list[str] = field(default_factory=lambda: ["challenger", "incumbent"])   # windows to run
     windows: list[Measure] = field(default_factory=list)                          # the challenger's
 
@@ -150,8 +166,8 @@ class _Duel:
 class LevelClimb:
     """The choice at one load level: which arm adaptive rounds use, learned by a climb."""
 
-    def __init__(self, arms: list[Arm], start: Arm, expected_tokens):
-        self.expected_tokens = expected_tokens   # E(k), router/goodput.py KeepChances
+    def __init__(self, arms: list[Arm], start: Arm, keep: KeepChances):
+        self.keep = keep                       # E(k) and its error, router/goodput.py
         self.arms = arms                       # the ladder (and its overlap twins), in order
         self.incumbent = start
         self.table: dict[Arm, Measure] = {}    # recent throughput of every arm measured here
@@ -169,6 +185,11 @@ class LevelClimb:
         self._window_noise = Ema(weight=_NOISE_WEIGHT)   # (log ratio of successive incumbent windows)^2
         self._reference: tuple[float, float] | None = None   # ms a round, E(k) at settling
         self._recheck_in = self._recheck_period = _FIRST_RECHECK
+        self.duels: list[dict] = []            # the last few duels' verdicts, for describe
+        # The target alone against the incumbent when last measured: far behind, it is not
+        # tried again until the level's round time or acceptance moves.
+        self._alone_ratio = 1.0
+        self.windows: list[dict] = []
         self._start_climb()
 
     @property
@@ -200,11 +221,18 @@ class LevelClimb:
         if not self._window.rounds:
             self._window_started = now
         self._window.add(tokens, ms, in_flight)
-        if self._window.rounds >= _MIN_WINDOW_ROUNDS and now - self._window_started >= _MIN_WINDOW_S:
+        enough = max(_MIN_WINDOW_ROUNDS, _WINDOW_ROUNDS_PER_SEQUENCE * in_flight)
+        if self._window.rounds >= enough and now - self._window_started >= _MIN_WINDOW_S:
             before, window, self._window = self.running, self._window, Measure()
+            self.windows = (self.windows + [{"arm": before.name, "rounds": int(window.rounds),
+                                             "round_ms": round(window.ms / window.rounds, 1),
+                                             "load": round(window.load_ms / window.ms, 1),
+                                             "span_s": round(now - self._window_started, 2),
+                                             "rounds_per_s": round(window.goodput(1.0), 1)}])[-12:]
             self._finished(window)
             if self.running != before:
-                self._skip = in_flight       # their next rounds share batches with the old arm's
+                # their next rounds share batches with the old arm's, its pools' queues
+                self._skip = _SETTLE_ROUNDS_PER_SEQUENCE * in_flight
 
     def _paused(self) -> None:
         """The level saw no rounds for a while (its load went elsewhere): windows from before
@@ -248,36 +276,50 @@ class LevelClimb:
         _MOST_PAIRS; then a win, a loss or a tie."""
         pairs = len(duel.windows)
         challenger, incumbent = _pooled(duel.windows), _pooled(self._incumbent_windows[-(pairs + 1):])
-        ratio = (challenger.goodput(self.expected_tokens(duel.challenger.k))
-                 / max(incumbent.goodput(self.expected_tokens(self.incumbent.k)), 1e-9))
+        ratio = (challenger.goodput(self.keep.expected_tokens(duel.challenger.k))
+                 / max(incumbent.goodput(self.keep.expected_tokens(self.incumbent.k)), 1e-9))
         # The error of the log ratio: from the spread of the incumbent's own windows (the
         # machine's wandering speed), or from the rounds within them if that is larger.
         per_window = self._window_noise.get(_PRIOR_WINDOW_NOISE ** 2) / 2
         spread = per_window / pairs + per_window / (pairs + 1)
-        clear = abs(math.log(ratio)) > _Z * math.sqrt(max(spread, challenger.relative_error_sq()
-                                                          + incumbent.relative_error_sq()))
-        if not clear and abs(ratio - 1) > MARGIN and pairs < _MOST_PAIRS:
+        error = math.sqrt(max(spread, challenger.relative_error_sq() + incumbent.relative_error_sq())
+                          + self.keep.relative_variance(duel.challenger.k)
+                          + self.keep.relative_variance(self.incumbent.k))
+        clear = abs(math.log(ratio)) > _Z * error
+        # A win takes two pairs at least: one pair that looks better by chance is confirmed
+        # or undone by the next (the cost of a false switch is a climb away from the best).
+        looks_better = ratio > 1 + MARGIN and (clear or pairs < _MOST_PAIRS)
+        if pairs < _MOST_PAIRS and ((not clear and abs(ratio - 1) > MARGIN) or (looks_better and pairs < 2)):
             duel.plan = ["challenger", "incumbent"]
             return
         self._duel = None
-        if ratio > 1 + MARGIN and clear:
+        outcome = "win" if ratio > 1 + MARGIN and clear else "tie" if ratio >= 1 - MARGIN else "loss"
+        if duel.challenger.k == 0:
+            self._alone_ratio = ratio
+        if outcome == "tie" and duel.challenger.k < self.incumbent.k and (
+                duel.challenger.k == 0 or math.log(ratio) - _Z * error >= math.log(1 - MARGIN)):
+            outcome = "win"      # as fast with fewer drafts: less draft-pool work, no bet on acceptance
+        self.duels = (self.duels + [{"challenger": duel.challenger.name, "incumbent": self.incumbent.name,
+                                     "ratio": round(ratio, 3), "pairs": pairs, "outcome": outcome}])[-8:]
+        if outcome == "win":
             self.incumbent = duel.challenger
             self.changes += 1
             # its last window is the one before its first duel as incumbent
             self._incumbent_windows, self._fresh = duel.windows[-1:], True
-            self._queue = self._neighbours(duel.challenger, only=duel.direction)
-        elif ratio >= 1 - MARGIN and duel.direction:    # a tie: look one step further
+            # on in the same direction; after a change of overlap, both ways along the ladder
+            self._queue = self._neighbours(duel.challenger, only=duel.direction if duel.direction in (-1, 1) else None)
+        elif outcome == "tie" and duel.direction in (-1, 1) and ratio >= 1:   # a gentle rise: look further
             beyond = self._step(duel.challenger, duel.direction)
             if beyond is not None and beyond not in self._tried:
                 self._queue.insert(0, (beyond, duel.direction))
-        elif duel.direction:                            # a loss: nothing further that way
+        elif duel.direction in (-1, 1):                 # a loss: nothing further that way
             self._queue = [(arm, d) for arm, d in self._queue if d != duel.direction]
         if not self._queue:
             self._reference = None
 
     def _check_settled(self, window: Measure) -> None:
         """The incumbent of a settled level against itself at settling; a recheck now and then."""
-        now = (window.ms / window.rounds, self.expected_tokens(self.incumbent.k))
+        now = (window.ms / window.rounds, self.keep.expected_tokens(self.incumbent.k))
         if self._reference is None:
             self._reference = now
             return
@@ -285,6 +327,7 @@ class LevelClimb:
         drifted = any(abs(a / b - 1) > _DRIFT for a, b in zip(now, self._reference))
         if drifted:
             self._recheck_period = _FIRST_RECHECK
+            self._alone_ratio = 1.0
             self._start_climb()
         elif self._recheck_in <= 0:
             self._recheck_period = min(2 * self._recheck_period, _LAST_RECHECK)
@@ -298,13 +341,21 @@ class LevelClimb:
         self._recheck_in = self._recheck_period
 
     def _neighbours(self, arm: Arm, only: int | None = None) -> list[tuple[Arm, int]]:
-        """Challengers of arm: one step down and one up the ladder, then the other overlap;
-        `only` keeps one direction (a climb does not go back the way it came)."""
+        """Challengers of arm: one step down and one up the ladder, the other overlap, and
+        the target alone (speculation must beat it, not only its neighbours); `only` keeps
+        one direction (a climb does not go back the way it came)."""
         out = [(self._step(arm, d), d) for d in (-1, 1) if only in (None, d)]
         twin = Arm(arm.k, not arm.overlap)
         if twin in self.arms and only in (None, 0):
             out.append((twin, 0))
-        return [(a, d) for a, d in out if a is not None and a not in self._tried]
+        if Arm(0) in self.arms and only in (None, -1) and self._alone_ratio >= 1 - 3 * MARGIN:
+            out.append((Arm(0), _ALONE))
+        seen, unique = set(self._tried), []
+        for a, d in out:
+            if a is not None and a not in seen:
+                seen.add(a)
+                unique.append((a, d))
+        return unique
 
     def _step(self, arm: Arm, direction: int) -> Arm | None:
         ks = sorted({a.k for a in self.arms})
@@ -319,6 +370,7 @@ class LevelClimb:
                 "running": self.running.name, "settled": self.settled, "settled_after_rounds": self.settled_after,
                 "rounds": self.rounds, "climbs": self.climbs, "changes": self.changes,
                 "window_noise": round(math.sqrt(self._window_noise.get(_PRIOR_WINDOW_NOISE ** 2) / 2), 4),
+                "last_duels": self.duels, "last_windows": self.windows,
                 "tokens_per_s": {arm.name: round(m.tokens_per_s(), 1) for arm, m in sorted(self.table.items())}}
 
 
@@ -369,7 +421,7 @@ class KController:
 
     def climb(self, level: int) -> LevelClimb:
         if level not in self.levels:
-            self.levels[level] = LevelClimb(self.arms, self._start_for(level), self.keep.expected_tokens)
+            self.levels[level] = LevelClimb(self.arms, self._start_for(level), self.keep)
         return self.levels[level]
 
     def choose(self, level: int, cap: int) -> Arm:
@@ -402,8 +454,9 @@ class KController:
         """A level's first arm: the choice of the nearest level known, one step down the
         ladder for a heavier load and up for a lighter one (the best k does not grow with
         load: each extra position of a verify costs more in a fuller batch); else the prior's."""
-        if self.levels:
-            nearest = min(self.levels, key=lambda other: (abs(other - level), other))
+        measured = [other for other, climb in self.levels.items() if climb.rounds]
+        if measured:
+            nearest = min(measured, key=lambda other: (abs(other - level), other))
             known = self.levels[nearest]
             return known._step(known.incumbent, -1 if level > nearest else 1) or known.incumbent
         guess = self.prior.best_k(LEVEL_EDGES[level], sorted({arm.k for arm in self.arms}))

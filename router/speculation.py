@@ -282,8 +282,12 @@ class SpeculationLoop:
                        "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= len(tokens)}
             self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt)
         model_ms = verdict.model_ms + (proposal.model_ms if proposal is not None else 0.0)
-        # A request's first round (its prefill) and one its end cuts short measure no arm.
-        measured = stats.rounds > 0 and whole
+        # A request's first round (its prefill), one its end cuts short, and one whose forward
+        # passes waited on another sequence's prefill or cache rebuild measure no arm: they
+        # cost the same whatever k the router runs (at 32 streams a new prompt's prefill slows
+        # its batch tenfold).
+        longest = max(verdict.longest_row, proposal.longest_row if proposal is not None else 0)
+        measured = stats.rounds > 0 and whole and longest <= self.control.max_k + 1
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
