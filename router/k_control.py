@@ -19,9 +19,11 @@ Terms:
   round cut short by the request's end, and a round whose load lies outside the level are
   left out: they say nothing about the arm at this load. Every such round of the router
   (fixed-k requests too) fills the level's table of measured tokens per second by arm.
-- window: at least 32 adaptive rounds of one arm over at least one second (the machine's
-  speed wanders over seconds; a fraction of a second measures that, not the arm), after
-  the first in-flight rounds of the arm (they share batches with the arm before).
+- window: adaptive rounds of one arm over at least one second (the machine's speed wanders
+  over seconds; a fraction of a second measures that, not the arm) and at least 8 measured
+  rounds of every sequence in flight, or 32 over three seconds where most rounds wait on
+  prefills (so that a poor challenger is not run for long); after the first two rounds of
+  every sequence under the arm (they share batches and queues with the arm before).
 
 Per level, a climb over the arms (a hill climb, chosen over a bandit because neighbouring
 k differ smoothly and it needs no prior over all arms: a trial costs windows of a neighbour,
@@ -71,6 +73,7 @@ _MIN_WINDOW_ROUNDS = 32
 _WINDOW_ROUNDS_PER_SEQUENCE = 8         # a window spans at least 8 rounds of every sequence
 _SETTLE_ROUNDS_PER_SEQUENCE = 2         # rounds of every sequence after a switch that are not measured
 _MIN_WINDOW_S = 1.0                     # the machine's speed wanders over seconds: average over one
+_MAX_WINDOW_S = 3.0                     # where most rounds wait on prefills, a window ends by time
 _PAUSE_S = 2.0                          # a gap this long between rounds ends the windows being compared
 _DRIFT = 0.25
 _FIRST_RECHECK, _LAST_RECHECK = 8, 32   # windows between rechecks of a settled level
@@ -222,7 +225,9 @@ class LevelClimb:
             self._window_started = now
         self._window.add(tokens, ms, in_flight)
         enough = max(_MIN_WINDOW_ROUNDS, _WINDOW_ROUNDS_PER_SEQUENCE * in_flight)
-        if self._window.rounds >= enough and now - self._window_started >= _MIN_WINDOW_S:
+        span = now - self._window_started
+        if span >= _MIN_WINDOW_S and (self._window.rounds >= enough or
+                                      (span >= _MAX_WINDOW_S and self._window.rounds >= _MIN_WINDOW_ROUNDS)):
             before, window, self._window = self.running, self._window, Measure()
             self.windows = (self.windows + [{"arm": before.name, "rounds": int(window.rounds),
                                              "round_ms": round(window.ms / window.rounds, 1),
