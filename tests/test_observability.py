@@ -90,7 +90,10 @@ def test_the_named_series_are_served_with_plausible_values(exported):
         assert total(s, "ray_specserve_batch_size_count", f'deployment="{pool}"') > 0, pool
         assert any(f'deployment="{pool}"' in labels for labels, _ in s["ray_specserve_queue_depth"]), pool
         assert any(f'deployment="{pool}"' in labels for labels, _ in s["ray_specserve_cached_tokens"]), pool
-    assert "ray_specserve_router_requests" in s and "ray_specserve_adaptive_k" in s
+    assert "ray_specserve_router_requests" in s
+    assert any('level="current"' in labels for labels, _ in s["ray_specserve_adaptive_k"])
+    # the measured choice's table: fixed k = 4 rounds measured at their load level
+    assert any('arm="k=4"' in labels and value > 0 for labels, value in s["ray_specserve_adaptive_goodput_tokens_per_s"])
     assert total(s, "ray_specserve_cache_rebuilds_total", 'pool="target"') >= 1
     assert total(s, "ray_specserve_cache_evictions_total", 'deployment="target"') >= 1
     for labels, _ in s["ray_specserve_requests_total"]:
@@ -117,6 +120,7 @@ def test_status_names_every_pool_with_its_replica_count(apps):
         [line] = [line for line in out.splitlines() if line.strip().startswith(pool)]
         assert "HEALTHY" in line and "replicas 1/1" in line, line
     assert "tokens/s" in out and "acceptance" in out, out
+    assert "adaptive router 1:" in out and "in flight:" in out, out        # the measured choice per load level
     missing = subprocess.run([str(SPECSERVE), "status", "--app", "no-such-app"], capture_output=True,
                              text=True, timeout=120, env=env)
     assert missing.returncode == 1 and "no Serve application named 'no-such-app'" in missing.stdout

@@ -117,6 +117,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     app = args.app or (APP_NAME if args.url is None else None)
     closed = []
     for concurrency in args.concurrency:
+        # a first wave at this load, unmeasured: caches and KV slots grow to it before any mode runs
+        asyncio.run(closed_loop(modes["target_only"], concurrency, concurrency))
         sweep = {f"k={v}": replace(speculative, speculation={"k": v}) for v in args.sweep_k if v != k}
         closed.append(_phase({"concurrency": concurrency, "mode": "closed"}, {**modes, **sweep},
                              lambda work, c=concurrency: closed_loop(work, c, max(args.num_requests, 2 * c)),
@@ -165,15 +167,19 @@ def _serve_vllm_target(config: ClusterConfig, url: str) -> str:
 
 
 def _phase(head: dict, modes: dict, load, repeats: int, app: str | None) -> dict:
-    """Every mode `repeats` times, in turn; each mode's summary with its mean throughput, the
-    speedup of each over target-only, and the phase's noise; after each adaptive run, what
-    the routers' measured choice holds at this load (where the bench can reach the routers)."""
+    """Every mode `repeats` times, in turn (each repeat's turn starting one mode later); each
+    mode's summary with its mean throughput, the speedup of each over target-only, and the
+    phase's noise; after each adaptive run, what a router's measured choice holds at this load
+    (where the bench can reach the routers)."""
     from cluster.bench.report import summarize
 
     runs: dict[str, list[dict]] = {name: [] for name in modes}
     choices = []
-    for _ in range(repeats):
-        for name, work in modes.items():
+    names = list(modes)
+    for repeat in range(repeats):
+        # each repeat starts one mode further on: no mode always runs first after another load
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            work = modes[name]
             runs[name].append(summarize(asyncio.run(load(work))))
             if name == "adaptive":
                 choices.append(_adaptive_choice(app, head["concurrency"]))
