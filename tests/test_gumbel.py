@@ -13,7 +13,8 @@ from replicas.gumbel import exponential_noise, gumbel_choices, hash32
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams, warped_probs
 from router.speculation import round_seed
-from tests.test_sampling_exactness import ALPHA, PROMPT, VOCAB, chi_square_p_value, exact_joint, pair  # noqa: F401
+from tests.test_sampling_exactness import (ALPHA, PROMPT, chi_square_p_value, exact_joint, pair,  # noqa: F401
+                                          speculative_pairs)
 
 WARPED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)
 
@@ -94,25 +95,9 @@ def test_a_seeded_sequence_is_the_same_whatever_k_draft_and_batch(pair):
 
 
 def seeded_pairs(target, draft, samples: int, k_of_round) -> torch.Tensor:
-    """Counts [V, V] of the first two tokens of seeded speculative generations, one seed each,
-    8 sequences per batch."""
-    drafts, verifier = DraftEngine.on_model(draft, 1000), TargetEngine.on_model(target, 1000)
-    counts = torch.zeros(VOCAB, VOCAB)
-    for first in range(0, samples, 8):
-        rows = {i: list(PROMPT) for i in range(first, first + 8)}
-        r = 0
-        while unfinished := [i for i, tokens in rows.items() if len(tokens) < len(PROMPT) + 2]:
-            k = k_of_round(r)
-            proposals = drafts.propose([ProposeRequest(f"s{i}", rows[i], k, WARPED, 0, noise_seed=i)
-                                        for i in unfinished])
-            verdicts = verifier.verify([VerifyRequest(f"s{i}", rows[i], p.tokens, None, WARPED, 0, noise_seed=i)
-                                        for i, p in zip(unfinished, proposals)])
-            for i, verdict in zip(unfinished, verdicts):
-                rows[i] += verdict.tokens
-            r += 1
-        for tokens in rows.values():
-            counts[tokens[len(PROMPT)], tokens[len(PROMPT) + 1]] += 1
-    return counts
+    """Counts [V, V] of the first two tokens of seeded speculative generations, one seed each."""
+    return speculative_pairs(target, draft, WARPED, seed=5, samples=samples, k_of=lambda r, i: k_of_round(r),
+                             seeded=True)
 
 
 def test_seeded_speculative_samples_have_the_target_distribution(pair):

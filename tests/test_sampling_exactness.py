@@ -55,11 +55,13 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
 
 def speculative_pairs(target, draft, params: SamplingParams, seed: int,
                       samples: int = SAMPLES, verifier: TargetEngine | None = None,
-                      k_of=lambda round_index, i: K) -> torch.Tensor:
+                      k_of=lambda round_index, i: K, seeded: bool = False) -> torch.Tensor:
     """Counts [V, V] of the first two tokens of `samples` speculative generations, run BATCH
     at a time through the batched engines (rows diverge in length after the first round, so
     the padded batch layout is part of what is tested). `verifier` defaults to the target
-    in this process; sequence i drafts k_of(round, i) tokens in a round (0: the target alone)."""
+    in this process; sequence i drafts k_of(round, i) tokens in a round (0: the target alone).
+    `seeded`: each sequence sampled by Gumbel-max with public noise of its own seed
+    (replicas/gumbel.py), as a request with a seed is."""
     drafts = DraftEngine.on_model(draft, max_cached_tokens=1000)
     verifier = verifier or TargetEngine.on_model(target, max_cached_tokens=1000)
     counts = torch.zeros(VOCAB, VOCAB)
@@ -68,12 +70,14 @@ def speculative_pairs(target, draft, params: SamplingParams, seed: int,
         round_index = 0
         while unfinished := [i for i, tokens in sequences.items() if len(tokens) < len(PROMPT) + 2]:
             seeds = {i: seed * 1_000_003 + i for i in unfinished}
+            noise = {i: seeds[i] if seeded else None for i in unfinished}
             proposals = drafts.propose([ProposeRequest(
-                f"s{i}", sequences[i], k_of(round_index, i), params, round_seed(seeds[i], round_index, "draft"))
-                for i in unfinished])
+                f"s{i}", sequences[i], k_of(round_index, i), params, round_seed(seeds[i], round_index, "draft"),
+                noise_seed=noise[i]) for i in unfinished])
             verdicts = verifier.verify([VerifyRequest(
                 f"s{i}", sequences[i], proposal.tokens, proposal.probs, params,
-                round_seed(seeds[i], round_index, "target")) for i, proposal in zip(unfinished, proposals)])
+                round_seed(seeds[i], round_index, "target"), noise_seed=noise[i])
+                for i, proposal in zip(unfinished, proposals)])
             for i, verdict in zip(unfinished, verdicts):
                 sequences[i] += verdict.tokens
             round_index += 1
