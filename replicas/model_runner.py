@@ -21,7 +21,7 @@ device: the engines take from them only what the acceptance rule needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -48,7 +48,6 @@ class Extension:
     positions_fed: int     # positions computed for this sequence
     batch_rows: int        # sequences in the forward pass that computed it
     batch_positions: int   # positions that forward pass computed, over all its sequences
-    longest_row: int = 0   # the most new positions any call of the batch computed (a prefill: its prompt)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -88,16 +87,13 @@ class ModelRunner:
                 raise ValueError(f"a call of {len(call.tokens)} tokens wanting {call.num_logits} logits does not fit "
                                  f"this model's {self.max_seq_len} positions")
         results: list[Extension | None] = [None] * len(calls)
-        longest = 0
         for wave in _distinct_sequences(calls):
             planned = [self._reusable(calls[i]) for i in wave]
-            lengths = [len(calls[i].tokens) - p for i, p in zip(wave, planned)]
-            longest = max([longest, *lengths])
-            for group in _padding_groups(lengths):
+            for group in _padding_groups([len(calls[i].tokens) - p for i, p in zip(wave, planned)]):
                 indices = [wave[g] for g in group]
                 for i, extension in zip(indices, self._run([calls[i] for i in indices])):
                     results[i] = extension
-        return [replace(extension, longest_row=longest) for extension in results]
+        return results
 
     def release(self, seq_id: str) -> None:
         self.caches.drop(seq_id)

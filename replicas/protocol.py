@@ -31,7 +31,6 @@ class Proposal:
     model_ms: float                   # wall time of the replica's batched propose
     steps: int = 0                    # draft forward passes that batched propose ran
     replica_ms: float = 0.0           # from the call's arrival at the replica to its answer
-    longest_row: int = 0              # the most new positions any sequence of its batches computed
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,6 @@ class Verification:
     model_ms: float            # wall time of the replica's batched verify
     batch_positions: int = 0   # positions that forward pass computed, over all its sequences
     replica_ms: float = 0.0    # from the call's arrival at the replica to its answer
-    longest_row: int = 0       # the most new positions any sequence of that pass computed (a prefill)
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,23 @@ Terms:
   6-11 | 12-23 | 24+. Each level is about twice the one before, with a power of two in its
   middle, so that 8 closed-loop clients, which drop to 7 in flight between requests, stay
   in one level; the router stays at its level while the load is within a slack of it.
-- goodput of an arm at a level: E(k) tokens a round (router/goodput.py: measured keep
-  chances, far less noisy than a window's own token count) times the rounds per ms of its
-  rounds' wall time (a ratio of sums), times the mean sequences in flight: the tokens per
-  second the router emits across its sequences. A request's first round (its prefill), a
-  round cut short by the request's end, and a round whose load lies outside the level are
-  left out: they say nothing about the arm at this load. Every such round of the router
-  (fixed-k requests too) fills the level's table of measured tokens per second by arm.
-- window: adaptive rounds of one arm over at least one second (the machine's speed wanders
-  over seconds; a fraction of a second measures that, not the arm) and at least 8 measured
-  rounds of every sequence in flight, or 32 over three seconds where most rounds wait on
-  prefills (so that a poor challenger is not run for long); after the first two rounds of
-  every sequence under the arm (they share batches and queues with the arm before).
+- goodput of an arm at a level: the tokens the router emits per second of wall time across
+  all its sequences while the arm runs there, every round counted, prefills included (they
+  are part of what a client waits for, and a larger k meets them more often per second). A
+  round whose k was whole counts E(k) tokens (router/goodput.py: measured keep chances, far
+  less noisy than a window's own token count, the same quantity); one the request's end cut
+  short counts what it yielded. Summing each round's tokens over its own time and scaling
+  by the load would leave out the time between a sequence's rounds and, where prefill
+  rounds are left out, most of the slow ones: on this CPU at 16 and 32 clients that read
+  up to twice the throughput the clients got, and differently for each arm.
+- window: a stretch of wall time at one level while an arm runs, of at least one second
+  (the machine's speed wanders over seconds; a fraction of a second measures that, not the
+  arm) and at least 8 rounds of every sequence in flight, or 32 rounds over three seconds;
+  begun after the first two rounds of every sequence under the arm (they share batches and
+  queues with the arm before). It counts every round at the level, fixed-k requests' too
+  (they share the machine), and is dropped where fewer than three quarters of its rounds
+  were adaptive, where the load leaves the level, or where the level sees no round for two
+  seconds (the time between would count without its tokens).
 
 Per level, a climb over the arms (a hill climb, chosen over a bandit because neighbouring
 k differ smoothly and it needs no prior over all arms: a trial costs windows of a neighbour,
@@ -49,8 +54,11 @@ moved) starts a climb again, and so does a recheck every 8, 16, then 32 windows 
 while rechecks keep the incumbent). A level met for the first time starts a step down the
 ladder from the nearest known level's choice if its load is heavier (up if lighter), or
 from the prior (the predicted cost model, router/goodput.py) if none is known; a level met
-again starts from its own choice, and a recheck it was in when its load went elsewhere is
-dropped (windows seconds apart would be compared).
+again starts from its own choice, and a climb or recheck it was in when its load went
+elsewhere goes on where it was when the load comes back: its windows are compared across the
+gap, and the spread of successive incumbent windows, across gaps too, is the comparison's
+error (a closed-loop client that comes and goes, as the bench does, would otherwise never
+finish a duel at high load, where each window takes seconds).
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ _MAX_WINDOW_S = 3.0                     # where most rounds wait on prefills, a 
 _PAUSE_S = 2.0                          # a gap this long between rounds ends the windows being compared
 _DRIFT = 0.25
 _FIRST_RECHECK, _LAST_RECHECK = 8, 32   # windows between rechecks of a settled level
-_TABLE_DECAY = 1 / 512                  # per measured round: the table shows about the last 500
+_TABLE_WEIGHT = 0.25                    # of an arm's newest window in the table: about its last four
+_ADAPTIVE_SHARE = 0.75                  # a window of mostly fixed-k requests' rounds measures no arm
 
 
 @dataclass(frozen=True, order=True)
@@ -115,47 +124,44 @@ def level_name(level: int) -> str:
 
 @dataclass
 class Measure:
-    """Sums over rounds: tokens, wall ms, sequences in flight x ms, and ms squared (the mean
-    round time's standard error)."""
-    tokens: float = 0.0
-    ms: float = 0.0
-    load_ms: float = 0.0
+    """Sums over a window's rounds: the whole ones by their drafts verified (each yields E(k)
+    tokens, read from the keep chances when the window is, so that windows compared use the
+    same E), the tokens of rounds cut short, all rounds, the adaptive ones among them, their
+    ms (the level's round time), and the window's wall seconds."""
+    whole: dict[int, float] = field(default_factory=dict)
+    cut_tokens: float = 0.0
     rounds: float = 0.0
-    ms_sq: float = 0.0
+    adaptive: float = 0.0
+    ms: float = 0.0
+    seconds: float = 0.0
 
-    def add(self, tokens: int, ms: float, in_flight: int) -> None:
-        self.tokens += tokens
-        self.ms += ms
-        self.load_ms += in_flight * ms
+    def add(self, drafted: int, whole: bool, tokens: int, ms: float, adaptive: bool) -> None:
+        if whole:
+            self.whole[drafted] = self.whole.get(drafted, 0.0) + 1
+        else:
+            self.cut_tokens += tokens
         self.rounds += 1
-        self.ms_sq += ms * ms
+        self.adaptive += adaptive
+        self.ms += ms
 
-    def scale(self, factor: float) -> None:
-        for name, value in vars(self).items():
-            setattr(self, name, value * factor)
+    def scaled(self, factor: float) -> "Measure":
+        return Measure({k: n * factor for k, n in self.whole.items()},
+                       *(getattr(self, name) * factor for name in ("cut_tokens", "rounds", "adaptive", "ms", "seconds")))
 
     def __add__(self, other: "Measure") -> "Measure":
-        return Measure(**{name: value + getattr(other, name) for name, value in vars(self).items()})
+        whole = dict(self.whole)
+        for k, n in other.whole.items():
+            whole[k] = whole.get(k, 0.0) + n
+        return Measure(whole, *(getattr(self, name) + getattr(other, name)
+                                for name in ("cut_tokens", "rounds", "adaptive", "ms", "seconds")))
 
-    def tokens_per_s(self) -> float:
-        """Tokens per second across the router's sequences: tokens per ms of a sequence's
-        rounds times the sequences in flight."""
-        return self.tokens / self.ms * (self.load_ms / self.ms) * 1000 if self.ms > 0 else 0.0
+    def tokens_per_s(self, keep: KeepChances) -> float:
+        """Tokens per second of wall time across the router's sequences."""
+        tokens = self.cut_tokens + sum(n * keep.expected_tokens(k) for k, n in self.whole.items())
+        return tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def tokens_per_round(self) -> float:
-        return self.tokens / self.rounds if self.rounds else 0.0
-
-    def goodput(self, expected_tokens: float) -> float:
-        """Tokens per second across the router's sequences with E(k) tokens a round: the
-        decision's measure (router/goodput.py says why E(k) and not the window's own count)."""
-        return expected_tokens * self.rounds / self.ms * (self.load_ms / self.ms) * 1000 if self.ms > 0 else 0.0
-
-    def relative_error_sq(self) -> float:
-        """Var / mean^2 of the mean round time, rounds taken as independent."""
-        if self.rounds < 2 or self.ms <= 0:
-            return math.inf
-        variance = max(self.ms_sq - self.ms * self.ms / self.rounds, 0.0) / (self.rounds - 1)
-        return variance / self.rounds / (self.ms / self.rounds) ** 2
+    def round_ms(self) -> float:
+        return self.ms / self.rounds if self.rounds else 0.0
 
 
 @dataclass
@@ -173,8 +179,8 @@ class LevelClimb:
         self.keep = keep                       # E(k) and its error, router/goodput.py
         self.arms = arms                       # the ladder (and its overlap twins), in order
         self.incumbent = start
-        self.table: dict[Arm, Measure] = {}    # recent throughput of every arm measured here
-        self.rounds = 0                        # measured adaptive rounds at this level
+        self.table: dict[Arm, Measure] = {}    # recent windows of every arm measured here
+        self.rounds = 0                        # adaptive rounds at this level
         self.settled_after: int | None = None  # rounds the first climb took
         self.climbs = self.changes = 0
         self._queue: list[tuple[Arm, int]] = []   # challengers still to try, with their direction
@@ -183,7 +189,8 @@ class LevelClimb:
         self._incumbent_windows: list[Measure] = []   # the incumbent's last windows, oldest first
         self._fresh = False                    # the last window was the incumbent's
         self._window = Measure()
-        self._window_started = self._last_round_at = 0.0
+        self._anchor: float | None = None      # the end of the round before the window's first
+        self._last_round_at = 0.0
         self._skip = 0
         self._window_noise = Ema(weight=_NOISE_WEIGHT)   # (log ratio of successive incumbent windows)^2
         self._reference: tuple[float, float] | None = None   # ms a round, E(k) at settling
@@ -204,54 +211,49 @@ class LevelClimb:
     def settled(self) -> bool:
         return not self._queue and self._duel is None
 
-    def record(self, arm: Arm, tokens: int, ms: float, in_flight: int) -> None:
-        """Any measured round at this level, fixed-k ones too: the table."""
-        for measure in self.table.values():
-            measure.scale(1 - _TABLE_DECAY)
-        self.table.setdefault(arm, Measure()).add(tokens, ms, in_flight)
-
-    def observe(self, arm: Arm, tokens: int, ms: float, in_flight: int, now: float) -> None:
-        """A measured adaptive round that ran `arm` here and ended at `now` (seconds)."""
-        self.rounds += 1
+    def observe(self, drafted: int, whole: bool, tokens: int, ms: float, adaptive: bool, in_flight: int,
+                now: float) -> None:
+        """A round at this level that verified `drafted` drafts, yielded `tokens` and ended at
+        `now` (seconds); `whole` where the request's end left its k whole."""
+        self.rounds += adaptive
         if now - self._last_round_at > _PAUSE_S:
-            self._paused()
+            self.restart_window(in_flight)
         self._last_round_at = now
-        if arm != self.running:
-            return                           # it started before the last switch
-        if self._skip > 0:
-            self._skip -= 1
+        if self._skip > 0 or self._anchor is None:
+            self._skip = max(self._skip - 1, 0)
+            self._anchor = now
             return
-        if not self._window.rounds:
-            self._window_started = now
-        self._window.add(tokens, ms, in_flight)
+        self._window.add(drafted, whole, tokens, ms, adaptive)
+        span = now - self._anchor
         enough = max(_MIN_WINDOW_ROUNDS, _WINDOW_ROUNDS_PER_SEQUENCE * in_flight)
-        span = now - self._window_started
-        if span >= _MIN_WINDOW_S and (self._window.rounds >= enough or
-                                      (span >= _MAX_WINDOW_S and self._window.rounds >= _MIN_WINDOW_ROUNDS)):
-            before, window, self._window = self.running, self._window, Measure()
-            self.windows = (self.windows + [{"arm": before.name, "rounds": int(window.rounds),
-                                             "round_ms": round(window.ms / window.rounds, 1),
-                                             "load": round(window.load_ms / window.ms, 1),
-                                             "span_s": round(now - self._window_started, 2),
-                                             "rounds_per_s": round(window.goodput(1.0), 1)}])[-12:]
-            self._finished(window)
-            if self.running != before:
-                # their next rounds share batches with the old arm's, its pools' queues
-                self._skip = _SETTLE_ROUNDS_PER_SEQUENCE * in_flight
+        rounds = self._window.rounds
+        if span < _MIN_WINDOW_S or not (rounds >= enough or (span >= _MAX_WINDOW_S and rounds >= _MIN_WINDOW_ROUNDS)):
+            return
+        window, self._window, self._anchor = self._window, Measure(), now
+        window.seconds = span
+        if window.adaptive < _ADAPTIVE_SHARE * window.rounds:
+            return                           # mostly fixed-k requests: it measured them, not the arm
+        before = self.running
+        self._tabulate(before, window)
+        self._finished(window)
+        if self.running != before:
+            # their next rounds share batches with the old arm's, its pools' queues
+            self._skip = _SETTLE_ROUNDS_PER_SEQUENCE * in_flight
 
-    def _paused(self) -> None:
-        """The level saw no rounds for a while (its load went elsewhere): windows from before
-        are not compared with windows after. A first climb goes on where it was, its duel
-        under way from the start; a settled level's recheck is dropped, so that coming back
-        to the level runs its choice, and the next recheck comes at its usual time."""
-        self._window, self._skip = Measure(), 0
-        self._incumbent_windows, self._fresh = [], False
-        if self.settled_after is not None:
-            self._queue, self._duel, self._reference = [], None, None
-            self._recheck_in = self._recheck_period
-        elif self._duel is not None:
-            self._queue.insert(0, (self._duel.challenger, self._duel.direction))
-            self._duel = None
+    def restart_window(self, in_flight: int) -> None:
+        """The load left this level or came back to it, or the level saw no round for a
+        while: the window under way, which would count time without its tokens, is dropped,
+        and so are the first rounds of every sequence back here (they meet a wave of fresh
+        prefills and queues). The climb goes on where it was."""
+        self._window, self._anchor = Measure(), None
+        self._skip = _SETTLE_ROUNDS_PER_SEQUENCE * in_flight
+
+    def _tabulate(self, arm: Arm, window: Measure) -> None:
+        seen = self.table.get(arm)
+        self.table[arm] = window if seen is None else seen.scaled(1 - _TABLE_WEIGHT) + window.scaled(_TABLE_WEIGHT)
+        self.windows = (self.windows + [{"arm": arm.name, "rounds": int(window.rounds),
+                                         "round_ms": round(window.round_ms(), 1), "span_s": round(window.seconds, 2),
+                                         "tokens_per_s": round(window.tokens_per_s(self.keep), 1)}])[-12:]
 
     def _finished(self, window: Measure) -> None:
         duel = self._duel
@@ -261,7 +263,7 @@ class LevelClimb:
             self._fresh = False
             return
         if self._incumbent_windows:
-            self._window_noise.add(math.log(window.goodput(1.0) / self._incumbent_windows[-1].goodput(1.0)) ** 2)
+            self._window_noise.add(math.log(window.tokens_per_s(self.keep) / self._incumbent_windows[-1].tokens_per_s(self.keep)) ** 2)
         self._incumbent_windows = (self._incumbent_windows + [window])[-(_MOST_PAIRS + 1):]
         self._fresh = True
         if duel is not None and not duel.plan:
@@ -281,14 +283,12 @@ class LevelClimb:
         _MOST_PAIRS; then a win, a loss or a tie."""
         pairs = len(duel.windows)
         challenger, incumbent = _pooled(duel.windows), _pooled(self._incumbent_windows[-(pairs + 1):])
-        ratio = (challenger.goodput(self.keep.expected_tokens(duel.challenger.k))
-                 / max(incumbent.goodput(self.keep.expected_tokens(self.incumbent.k)), 1e-9))
-        # The error of the log ratio: from the spread of the incumbent's own windows (the
-        # machine's wandering speed), or from the rounds within them if that is larger.
+        ratio = challenger.tokens_per_s(self.keep) / max(incumbent.tokens_per_s(self.keep), 1e-9)
+        # The error of the log ratio: from the spread of the incumbent's own successive windows
+        # (the machine's wandering speed, the traffic's), and from E(k)'s.
         per_window = self._window_noise.get(_PRIOR_WINDOW_NOISE ** 2) / 2
         spread = per_window / pairs + per_window / (pairs + 1)
-        error = math.sqrt(max(spread, challenger.relative_error_sq() + incumbent.relative_error_sq())
-                          + self.keep.relative_variance(duel.challenger.k)
+        error = math.sqrt(spread + self.keep.relative_variance(duel.challenger.k)
                           + self.keep.relative_variance(self.incumbent.k))
         clear = abs(math.log(ratio)) > _Z * error
         # A win takes two pairs at least: one pair that looks better by chance is confirmed
@@ -324,7 +324,7 @@ class LevelClimb:
 
     def _check_settled(self, window: Measure) -> None:
         """The incumbent of a settled level against itself at settling; a recheck now and then."""
-        now = (window.ms / window.rounds, self.keep.expected_tokens(self.incumbent.k))
+        now = (window.round_ms(), self.keep.expected_tokens(self.incumbent.k))
         if self._reference is None:
             self._reference = now
             return
@@ -376,7 +376,7 @@ class LevelClimb:
                 "rounds": self.rounds, "climbs": self.climbs, "changes": self.changes,
                 "window_noise": round(math.sqrt(self._window_noise.get(_PRIOR_WINDOW_NOISE ** 2) / 2), 4),
                 "last_duels": self.duels, "last_windows": self.windows,
-                "tokens_per_s": {arm.name: round(m.tokens_per_s(), 1) for arm, m in sorted(self.table.items())}}
+                "tokens_per_s": {arm.name: round(m.tokens_per_s(self.keep), 1) for arm, m in sorted(self.table.items())}}
 
 
 def _pooled(windows: list[Measure]) -> Measure:
@@ -392,9 +392,9 @@ def ladder(min_k: int, max_k: int, k: int, overlap_auto: bool) -> list[Arm]:
 
 
 class KController:
-    """A router's adaptive choice: a LevelClimb per load level, the level from the smoothed
-    load. Every measured round of the router (fixed k ones too) fills its level's table and
-    the keep chances; only adaptive rounds that ran the level's current arm move a climb."""
+    """A router's adaptive choice: a LevelClimb per load level, the level from the load with
+    hysteresis. Every round of the router (fixed-k ones too) counts in its level's windows
+    and the keep chances; only windows of mostly adaptive rounds move a climb."""
 
     def __init__(self, min_k: int, max_k: int, start_k: int, overlap: bool | str = False):
         self.min_k, self.max_k = min_k, max_k
@@ -413,6 +413,9 @@ class KController:
         level before while the load stays within its slack."""
         self.load = in_flight
         if self._level is None or not within_level(self._level, in_flight):
+            for level in (self._level, level_of(in_flight)):
+                if level in self.levels:
+                    self.levels[level].restart_window(in_flight)
             self._level = level_of(in_flight)
         return self._level
 
@@ -439,21 +442,15 @@ class KController:
     def overlap_for(self, arm: Arm) -> bool:
         return arm.overlap if self.overlap_auto else self.default_overlap
 
-    def observe(self, level: int, arm: Arm, drafted: int, accepted: int, round_ms: float, model_ms: float,
-                in_flight: int, adaptive: bool, measured: bool, now: float | None = None) -> None:
-        """A finished round that asked for `arm` and verified `drafted` drafts; `measured` is
-        false for a request's first round and for one its end cut short. A round whose load
-        lies outside its level measures nothing either (the load rose or fell past it)."""
+    def observe(self, level: int, drafted: int, accepted: int, round_ms: float, model_ms: float,
+                in_flight: int, adaptive: bool, whole: bool, now: float | None = None) -> None:
+        """A finished round at `level` that verified `drafted` drafts; `whole` is false where
+        the request's end cut its k short (it counts what it yielded, not E(k))."""
         if drafted:
             self.keep.observe(drafted, accepted)
         self.prior.observe(bool(drafted), round_ms, model_ms)
-        if not measured or not within_level(level, in_flight) or not math.isfinite(round_ms) or round_ms <= 0:
-            return
-        arm = Arm(arm.k, arm.overlap and arm.k > 0 and self.overlap_auto)
-        climb = self.climb(level)
-        climb.record(arm, accepted + 1, round_ms, in_flight)
-        if adaptive:
-            climb.observe(arm, accepted + 1, round_ms, in_flight, time.monotonic() if now is None else now)
+        self.climb(level).observe(drafted, whole, accepted + 1, round_ms, adaptive, in_flight,
+                                  time.monotonic() if now is None else now)
 
     def _start_for(self, level: int) -> Arm:
         """A level's first arm: the choice of the nearest level known, one step down the

@@ -282,12 +282,6 @@ class SpeculationLoop:
                        "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= len(tokens)}
             self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt)
         model_ms = verdict.model_ms + (proposal.model_ms if proposal is not None else 0.0)
-        # A request's first round (its prefill), one its end cuts short, and one whose forward
-        # passes waited on another sequence's prefill or cache rebuild measure no arm: they
-        # cost the same whatever k the router runs (at 32 streams a new prompt's prefill slows
-        # its batch tenfold).
-        longest = max(verdict.longest_row, proposal.longest_row if proposal is not None else 0)
-        measured = stats.rounds > 0 and whole and longest <= self.control.max_k + 1
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
@@ -296,8 +290,8 @@ class SpeculationLoop:
         round_ms = (time.perf_counter() - started) * 1000
         stats.round_ms += round_ms
         stats.retried_calls = self._retries[seq_id]
-        self.control.observe(level, arm, len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
-                             adaptive=gen.adaptive, measured=measured)
+        self.control.observe(level, len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
+                             adaptive=gen.adaptive, whole=whole)
         return verdict.tokens
 
     def _arm(self, gen: Generation, cap: int, level: int) -> tuple[Arm, bool]:

@@ -94,7 +94,7 @@ class DraftEngine(_Engine):
         drafts: list[list[int]] = [[] for _ in requests]
         rows: list[list[torch.Tensor]] = [[] for _ in requests]
         failures: dict[int, RowError] = {}
-        fed, batch_rows, longest = [0] * len(requests), [], 0
+        fed, batch_rows = [0] * len(requests), []
         generators = [make_generator(r.seed, self.runner.device) for r in requests]
         for step in range(max(r.k for r in requests)):
             active = [i for i, r in enumerate(requests) if r.k > step and i not in failures]
@@ -102,7 +102,6 @@ class DraftEngine(_Engine):
                 break
             extensions = self.runner.extend_batch(
                 [ExtendCall(requests[i].seq_id, tokens[i], 1) for i in active])
-            longest = max(longest, extensions[0].longest_row)
             chosen = self._choose(active, extensions, requests, generators, rows, failures,
                                   [len(tokens[i]) for i in active])
             for i, extension in zip(active, extensions):
@@ -114,7 +113,7 @@ class DraftEngine(_Engine):
         model_ms = (time.perf_counter() - started) * 1000
         mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
         return [failures.get(i) or Proposal(drafts[i], torch.stack(rows[i]).cpu() if rows[i] else None,
-                                            fed[i], mean_rows, model_ms, steps=len(batch_rows), longest_row=longest)
+                                            fed[i], mean_rows, model_ms, steps=len(batch_rows))
                 for i in range(len(requests))]
 
     @staticmethod
@@ -157,8 +156,7 @@ class TargetEngine(_Engine):
         outcomes = self._decide(requests, [e.logits for e in extensions])
         model_ms = (time.perf_counter() - started) * 1000
         return [o if isinstance(o, RowError) else
-                Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms, e.batch_positions,
-                             longest_row=e.longest_row)
+                Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms, e.batch_positions)
                 for o, e in zip(outcomes, extensions)]
 
     def _decide(self, requests: list[VerifyRequest], logits: list[torch.Tensor]) -> list:
