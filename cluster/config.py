@@ -267,6 +267,8 @@ class LimitsConfig(Strict):
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body; a larger one is "
                                                                 "refused (413) before it is read.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string a request may give.")
+    max_choices: int = Field(16, ge=1, description="Most choices one request may ask for: n times its prompts "
+                                                   "(each is a sequence through the pools).")
     request_timeout_s: float = Field(
         600.0, gt=0, description="Deadline of a request from its arrival, queueing included: an overdue "
                                  "request ends with 504 (or a final SSE error event) and frees its caches.")

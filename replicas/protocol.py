@@ -20,6 +20,7 @@ class ProposeRequest:
     lookahead: bool = False    # drafted ahead, while the window before it is verified (router/lookahead.py)
     noise_seed: int | None = None   # a seeded request's: each draft is the Gumbel-max choice from q under
                                     # the public noise of its position (replicas/gumbel.py); probs None
+    prompt_len: int = 0        # tokens[:prompt_len] is the prompt (penalties count the output after it)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,16 @@ class VerifyRequest:
     seed: int
     noise_seed: int | None = None     # a seeded request's: the target's token at each position is the
                                       # Gumbel-max choice from p, drafts kept while they equal it
+    prompt_len: int = 0               # tokens[:prompt_len] is the prompt (penalties count the output after it)
+    logprobs: int | None = None       # the emitted tokens' logprobs, with this many of the most likely
+    prompt_logprobs: int | None = None   # and those of tokens[1:] (a first call's: its prompt)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token: int
+    logprob: float                            # of the target's raw distribution (replicas/logprobs.py)
+    top: tuple[tuple[int, float], ...] = ()   # the most likely ids of that position, most likely first
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,8 @@ class Verification:
     model_ms: float            # wall time of the replica's batched verify
     batch_positions: int = 0   # positions that forward pass computed, over all its sequences
     replica_ms: float = 0.0    # from the call's arrival at the replica to its answer
+    logprobs: tuple[TokenLogprobs, ...] | None = None          # one per token, when asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None   # one per token of tokens[1:], when asked
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,7 @@ class GenerateRequest:
     sampling: SamplingParams
     seed: int
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
 
 class RowError(Exception):

@@ -34,10 +34,24 @@ class SamplingParams:
     temperature: float = 1.0  # below SAMPLING_EPS (0 included) means greedy (argmax)
     top_p: float = 1.0        # nucleus mass kept, in (0, 1]
     top_k: int = 0            # tokens kept; 0 keeps all
+    # Adjustments of the logits before temperature, per position, from the tokens before it
+    # (replicas/logits_processing.py, vLLM's definitions):
+    presence_penalty: float = 0.0     # minus this for every token the output holds
+    frequency_penalty: float = 0.0    # minus this times the token's count in the output
+    repetition_penalty: float = 1.0   # a token of the prompt or output: logit / r if > 0, else * r
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
+    min_tokens: int = 0               # until the output holds this many, `stop_ids` are masked
+    stop_ids: tuple[int, ...] = ()    # EOS and the request's stop token ids
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are adjusted before they are warped."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or (self.min_tokens and self.stop_ids))
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -83,8 +83,14 @@ def sampling_params(request: GenerateRequest):
     from vllm import SamplingParams
 
     sampling = request.sampling
+    # The router ends the request on EOS, stop ids and stop strings; vLLM stops on the ids it is
+    # given (none under ignore_eos) and applies the penalties, bias and min_tokens mask itself.
     return SamplingParams(max_tokens=request.max_tokens, temperature=sampling.temperature,
                           top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=request.seed,
+                          presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                          repetition_penalty=sampling.repetition_penalty,
+                          logit_bias=dict(sampling.logit_bias) or None, min_tokens=sampling.min_tokens,
+                          ignore_eos=request.ignore_eos,
                           stop_token_ids=list(request.stop_token_ids), detokenize=False)
 
 

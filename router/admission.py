@@ -1,5 +1,6 @@
-"""From a parsed OpenAI body to a Generation: tokenise, check the limits of this cluster,
-choose k. Everything that can be wrong with a request is found here, before any model work.
+"""From a parsed OpenAI body to its Generations, one per choice (n per prompt): tokenise,
+check the limits of this cluster, choose k. Everything that can be wrong with a request is
+found here, before any model work.
 
 Sizes are checked before the tokenizer runs: no token is longer than the tokenizer's longest
 vocabulary entry, so a text longer than context_length of those cannot fit the context and
@@ -9,6 +10,7 @@ The router calls these methods off its event loop (tokenising and templating are
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 
 from cluster.config import ClusterConfig
@@ -31,24 +33,42 @@ def longest_token_chars(tokenizer) -> int:
     return max(len(entry) for entry in tokenizer.get_vocab())
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a request's choice: its own for the first, an independent one derived from
+    it for each other (seeded choices are sampled by Gumbel-max noise keyed by the seed, so
+    choices sharing one would be the same)."""
+    if choice == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:choice:{choice}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class Admission:
-    def __init__(self, config: ClusterConfig, tokenizer, vocab_size: int):
+    def __init__(self, config: ClusterConfig, tokenizer, vocab_size: int, eos_token_ids: set[int] = frozenset()):
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
         self.max_prompt_chars = config.limits.context_length * longest_token_chars(tokenizer)
 
-    def completion(self, body: CompletionBody) -> Generation:
+    def completion(self, body: CompletionBody) -> list[Generation]:
+        """A Generation per choice, prompt by prompt, n each (the order of the choices' index)."""
         self._check_model(body.model)
-        self._check_sizes(body, len(body.prompt) if isinstance(body.prompt, str) else 0, "prompt")
-        if isinstance(body.prompt, str):
-            prompt_ids = self.tokenizer.encode(body.prompt)
-        else:
-            prompt_ids = self._checked_ids(body.prompt)
-        return self._generation(body, prompt_ids, body.max_tokens, "prompt")
+        prompts = body.prompts()
+        self._check_choices(body.n, len(prompts))
+        self._check_sizes(body, max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
+        self._check_logprobs(body.logprobs is not None, "logprobs")
+        generations = []
+        for prompt in prompts:
+            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
+            echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if body.echo else None
+            generations += self._generations(body, prompt_ids, body.max_tokens, "prompt", logprobs=body.logprobs,
+                                             prompt_logprobs=body.logprobs if body.echo else None, echo=echo)
+        return generations
 
-    def chat(self, body: ChatBody) -> Generation:
+    def chat(self, body: ChatBody) -> list[Generation]:
         self._check_model(body.model)
+        self._check_choices(body.n, 1)
         self._check_sizes(body, sum(len(m.text()) for m in body.messages), "messages")
         if self.tokenizer.chat_template:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -57,11 +77,30 @@ class Admission:
             prompt = plain_chat_prompt(body.messages)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        return self._generation(body, prompt_ids, body.requested_max_tokens(), "messages", max_param)
+        self._check_logprobs(body.logprobs, "logprobs")
+        return self._generations(body, prompt_ids, body.requested_max_tokens(), "messages", max_param,
+                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
     def _check_model(self, name: str) -> None:
         if name != self.config.server.model_name:
             raise model_not_found(name)
+
+    def _check_logprobs(self, wanted: bool, param: str) -> None:
+        if wanted and self.config.pools.target.engine == "vllm":
+            raise bad_request("logprobs are not served with the vLLM target engine yet", param)
+
+    def _check_choices(self, n: int, prompts: int) -> None:
+        most = self.config.limits.max_choices
+        if n > most:
+            raise bad_request(f"n is at most {most} on this server.", "n")
+        if n * prompts > most:
+            raise bad_request(f"{prompts} prompts of n={n} choices each are {n * prompts} choices; this "
+                              f"server gives at most {most} a request.", "prompt")
+
+    def _token_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise bad_request(f"{param} must hold token ids in [0, {self.vocab_size})", param)
+        return tuple(ids)
 
     def _check_sizes(self, body: _GenerationBody, prompt_chars: int, prompt_param: str) -> None:
         longest_stop = self.config.limits.max_stop_chars
@@ -77,8 +116,9 @@ class Admission:
             raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
         return ids
 
-    def _generation(self, body: _GenerationBody, prompt_ids: list[int], max_tokens: int | None,
-                    prompt_param: str, max_param: str = "max_tokens") -> Generation:
+    def _generations(self, body: _GenerationBody, prompt_ids: list[int], max_tokens: int | None,
+                     prompt_param: str, max_param: str = "max_tokens", logprobs: int | None = None,
+                     prompt_logprobs: int | None = None, echo: str | None = None) -> list[Generation]:
         limits = self.config.limits
         if not prompt_ids:
             raise bad_request("The prompt is empty.", prompt_param)
@@ -90,15 +130,28 @@ class Admission:
         if max_tokens is not None and max_tokens > limits.max_tokens:
             raise bad_request(f"{max_param} is at most {limits.max_tokens} on this server.", max_param)
         wanted = max_tokens if max_tokens is not None else limits.default_max_tokens
-        return Generation(
+        stop_ids = self._token_ids(body.stop_token_ids or [], "stop_token_ids")
+        bias = tuple((int(token), value) for token, value in (body.logit_bias or {}).items())
+        self._token_ids([token for token, _ in bias], "logit_bias")
+        ends = set(stop_ids) | (set() if body.ignore_eos else self.eos_token_ids)
+        sampling = _sampling(body, bias, tuple(sorted(ends)))
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        return [Generation(
             prompt_ids=list(prompt_ids),
             max_tokens=min(wanted, room),
-            sampling=_sampling(body),
+            sampling=sampling,
             stop=body.stop_strings(),
-            seed=body.seed if body.seed is not None else secrets.randbits(63),
+            seed=choice_seed(seed, choice),
             seeded=body.seed is not None,
+            stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos,
+            include_stop=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            echo=echo,
             **self._k(body),
-        )
+        ) for choice in range(body.n)]
 
     def _k(self, body: _GenerationBody) -> dict:
         """k and whether to adapt it. A request may turn speculation off or fix k within the
@@ -117,7 +170,10 @@ class Admission:
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap}
 
 
-def _sampling(body: _GenerationBody) -> SamplingParams:
+def _sampling(body: _GenerationBody, bias: tuple[tuple[int, float], ...], ends: tuple[int, ...]) -> SamplingParams:
     # A temperature too small to divide logits by safely is greedy (as in vLLM).
     temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
-    return SamplingParams(temperature, body.top_p, max(body.top_k, 0))
+    return SamplingParams(temperature, body.top_p, max(body.top_k, 0),
+                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                          repetition_penalty=body.repetition_penalty, logit_bias=bias,
+                          min_tokens=body.min_tokens, stop_ids=ends if body.min_tokens else ())

@@ -30,9 +30,10 @@ from transformers import AutoConfig, GenerationConfig
 
 from cluster.config import ClusterConfig
 from replicas.loading import load_tokenizer
-from replicas.protocol import RowError
+from replicas.protocol import RowError, TokenLogprobs
 from router.admission import Admission
 from router.auth import ApiKeys
+from router.choices import ChoiceOutput, interleaved, prompt_tokens
 from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_too_large, server_error,
                            unavailable, unsupported_media_type)
 from router.gate import GateFull, RequestGate, Slot
@@ -40,7 +41,8 @@ from router.k_control import KController
 from replicas.metrics import GAUGE_REFRESH_S, refresh_every
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
-from router.responses import CHAT, COMPLETION, ResponseFormat, envelope, sse, usage
+from router.responses import (CHAT, COMPLETION, ResponseFormat, chat_logprobs, completion_logprobs, envelope, sse,
+                              usage)
 from router.routing import lane_count
 from router.speculation import (Delta, Generation, PoolTimeouts, SpeculationLoop, SpeculationStats,
                                 TargetTimeout, TargetUnavailable)
@@ -148,12 +150,13 @@ class Router:
         tokenizer = load_tokenizer(config.models.target.path)
         vocab_size = _vocab_size(config)
         self.keys = ApiKeys.load(config.server.api_keys_file)
-        self.admission = Admission(config, tokenizer, vocab_size)
+        eos_token_ids = _eos_ids(config, tokenizer)
+        self.admission = Admission(config, tokenizer, vocab_size, eos_token_ids)
         pools = config.pools
         self.gate = RequestGate(pools.router.max_ongoing_requests, pools.router.max_queued_requests)
         spec = config.speculation
         self.metrics = RouterMetrics()
-        self.loop = SpeculationLoop(draft, target, tokenizer, _eos_ids(config, tokenizer),
+        self.loop = SpeculationLoop(draft, target, tokenizer, eos_token_ids,
                                     PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
                                     KController(spec.min_k, spec.max_k, spec.k, spec.overlap),
                                     lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics,
@@ -207,7 +210,7 @@ class Router:
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     async def _generate(self, request: Request, body_type: type[_GenerationBody],
-                        admit: Callable[..., Generation], fmt: ResponseFormat):
+                        admit: Callable[..., list[Generation]], fmt: ResponseFormat):
         limits = self.config.limits
         deadline = time.monotonic() + limits.request_timeout_s
         self.keys.check(request.headers.get("authorization"))
@@ -217,13 +220,13 @@ class Router:
         streaming = False
         try:
             body = parse_body(body_type, await _read_body(request, limits.max_body_bytes))
-            gen = await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, admit, body)
+            gens = await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, admit, body)
             if body.stream:
-                stream = self._stream(gen, body, fmt, slot, deadline)
+                stream = self._stream(gens, body, fmt, slot, deadline)
                 weakref.finalize(stream, slot.release)   # a stream never started frees its slot too
                 streaming = True
                 return StreamingResponse(stream, media_type="text/event-stream")
-            return await self._complete(gen, body, fmt, deadline)
+            return await self._complete(gens, body, fmt, deadline)
         finally:
             if not streaming:
                 slot.release()
@@ -237,49 +240,82 @@ class Router:
         except asyncio.TimeoutError:
             raise deadline_exceeded(self.config.limits.request_timeout_s) from None
 
-    async def _complete(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat,
+    def _choices(self, gens: list[Generation], response_id: str, deadline: float,
+                 stats: list[SpeculationStats]) -> AsyncIterator[tuple[int, Delta]]:
+        """(choice index, delta) of every choice as they come; each choice is a sequence of
+        its own through the pools, batched with the others like any other."""
+        arrival = deadline - self.config.limits.request_timeout_s
+        streams = [_until(deadline, self.loop.run(gen, stats[i], seq_id=response_id if len(gens) == 1
+                                                  else f"{response_id}-{i}"))
+                   for i, gen in enumerate(gens)]
+        return interleaved(streams, lambda delta, first, last: self.metrics.tokens(
+            len(delta.token_ids), first, time.monotonic() - last), arrival)
+
+    async def _complete(self, gens: list[Generation], body: _GenerationBody, fmt: ResponseFormat,
                         deadline: float) -> dict:
-        response_id, stats, text, ids, finish = fmt.new_id(), SpeculationStats(), [], [], None
-        last = deadline - self.config.limits.request_timeout_s     # the request's arrival
+        response_id = fmt.new_id()
+        stats = [SpeculationStats() for _ in gens]
+        outputs = [ChoiceOutput(gen) for gen in gens]
         try:
-            async for delta in _until(deadline, self.loop.run(gen, stats, seq_id=response_id)):
-                now = time.monotonic()
-                self.metrics.tokens(len(delta.token_ids), not ids, now - last)
-                last = now
-                text.append(delta.text)
-                ids.extend(delta.token_ids)
-                finish = delta.finish_reason
+            async for i, delta in self._choices(gens, response_id, deadline, stats):
+                outputs[i].add(delta)
         except asyncio.TimeoutError:
             raise deadline_exceeded(self.config.limits.request_timeout_s) from None
         except Exception as exc:  # noqa: BLE001 - this request's own failure, told to its client
             logger.warning("generation %s failed: %r", response_id, exc)
             raise _failure(exc) from None
-        choice = fmt.choice("".join(text), finish, ids if body.return_token_ids else None)
-        return envelope(fmt.object, response_id, body.model, [choice],
-                        usage=usage(len(gen.prompt_ids), len(ids)), speculation=stats.as_dict())
+        choices = [fmt.choice(i, out.text(), out.finish, out.stop_reason, out.ids if body.return_token_ids else None,
+                              self._logprobs(fmt, out.gen, out.logprobs, out.prompt_logprobs))
+                   for i, out in enumerate(outputs)]
+        return envelope(fmt.object, response_id, body.model, choices,
+                        usage=usage(prompt_tokens(gens, body.n), sum(len(out.ids) for out in outputs)),
+                        speculation=SpeculationStats.total(stats).as_dict())
 
-    async def _stream(self, gen: Generation, body: _GenerationBody, fmt: ResponseFormat,
+    def _logprobs(self, fmt: ResponseFormat, gen: Generation, entries: list[TokenLogprobs] | None,
+                  prompt: list[TokenLogprobs] | None, offset: int = 0) -> dict | None:
+        """The choice's logprobs object (or a chunk's), when the request asked for them: an
+        echoed prompt's tokens first (the very first without one), then the output's."""
+        if gen.logprobs is None:
+            return None
+        decode = self._token_text
+        if fmt.chat:
+            return chat_logprobs(entries or [], decode)
+        pairs = ([(gen.prompt_ids[0], None)] + [(e.token, e) for e in prompt]) if prompt is not None else []
+        return completion_logprobs(pairs + [(e.token, e) for e in entries or []], decode, offset)
+
+    def _token_text(self, token: int) -> str:
+        """A token's text; where it is part of a character (byte-level tokens), its vocabulary
+        entry instead, which names it uniquely (their texts would all be U+FFFD)."""
+        text = self.loop.tokenizer.decode([token])
+        return self.loop.tokenizer.convert_ids_to_tokens(token) if "\ufffd" in text else text
+
+    async def _stream(self, gens: list[Generation], body: _GenerationBody, fmt: ResponseFormat,
                       slot: Slot, deadline: float) -> AsyncIterator[str]:
-        response_id, stats, produced, first = fmt.new_id(), SpeculationStats(), 0, True
+        response_id, stats = fmt.new_id(), [SpeculationStats() for _ in gens]
+        outputs = [ChoiceOutput(gen) for gen in gens]
+        options = body.stream_options
         want_ids, outcome = body.return_token_ids, (200, None)
-        last = deadline - self.config.limits.request_timeout_s     # the request's arrival
+        prompt_count = prompt_tokens(gens, body.n)
         try:
-            async for delta in _until(deadline, self.loop.run(gen, stats, seq_id=response_id)):
-                now = time.monotonic()
-                self.metrics.tokens(len(delta.token_ids), produced == 0, now - last)
-                last = now
-                produced += len(delta.token_ids)
-                if not (delta.text or delta.finish_reason or first or want_ids):
+            async for i, delta in self._choices(gens, response_id, deadline, stats):
+                out = outputs[i]
+                first = not out.deltas
+                offset = 0 if first else out.text_length()    # an echoed prompt's tokens come first
+                out.add(delta)
+                if not (delta.text or delta.finish_reason or first or want_ids or delta.logprobs):
                     continue  # nothing a client could see yet (e.g. half a character)
-                choice = fmt.chunk_choice(delta.text, delta.finish_reason, first,
-                                          delta.token_ids if want_ids else None)
-                extra = {"speculation": stats.as_dict()} if delta.finish_reason else {}
+                text = (out.gen.echo or "") + delta.text if first else delta.text
+                logprobs = self._logprobs(fmt, out.gen, delta.logprobs, delta.prompt_logprobs, offset)
+                choice = fmt.chunk_choice(i, text, delta.finish_reason, delta.stop_reason, first,
+                                          delta.token_ids if want_ids else None, logprobs)
+                extra = {"speculation": stats[i].as_dict()} if delta.finish_reason else {}
+                if options and options.include_usage and options.continuous_usage_stats:
+                    extra["usage"] = usage(prompt_count, sum(len(o.ids) for o in outputs))
                 yield sse(envelope(fmt.chunk_object, response_id, body.model, [choice], **extra))
-                first = False
-            if body.stream_options and body.stream_options.include_usage:
+            if options and options.include_usage:
                 yield sse(envelope(fmt.chunk_object, response_id, body.model, [],
-                                   usage=usage(len(gen.prompt_ids), produced),
-                                   speculation=stats.as_dict()))
+                                   usage=usage(prompt_count, sum(len(o.ids) for o in outputs)),
+                                   speculation=SpeculationStats.total(stats).as_dict()))
         except asyncio.TimeoutError:  # the status line is sent: report in-band
             error = deadline_exceeded(self.config.limits.request_timeout_s)
             outcome = (error.status, error.code)

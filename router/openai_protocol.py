@@ -1,5 +1,7 @@
 """OpenAI request bodies, parsed strictly from JSON: a wrong type is an error, never coerced,
-and an argument we do not know is an error rather than silently ignored."""
+and an argument we do not know is an error rather than silently ignored. Beside OpenAI's own
+fields, those of vLLM's dialect that its clients send (GuideLLM, `vllm bench serve`,
+lm-evaluation-harness), with vLLM's meaning."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from router.errors import bad_request
 
 MAX_STOP_STRINGS = 8
+MAX_LOGPROBS = 20         # vLLM's default max_logprobs
 
 
 class _Body(BaseModel):
@@ -26,6 +29,7 @@ class SpeculationOptions(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM: usage so far in every chunk too.")
 
 
 class _GenerationBody(_Body):
@@ -35,22 +39,32 @@ class _GenerationBody(_Body):
     top_k: int = Field(0, ge=-1, description="0 or -1: no top-k cut.")
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, description="Independent choices per prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: SpeculationOptions | None = None
     return_token_ids: bool = Field(False, description="vLLM extension: include the generated ids.")
     user: str | None = None
-    # OpenAI arguments accepted only at their neutral values (we do not implement them).
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM's: > 1 discourages repeats.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (a string) -> -100..100, added "
+                                                                  "to its logit.")
+    min_tokens: int = Field(0, ge=0, description="vLLM: no stop (EOS, stop ids, stop strings) before this many.")
+    ignore_eos: bool = Field(False, description="vLLM: EOS does not end the output.")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM: token ids that end the output.")
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def single_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    def bias_in_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids, not {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"the bias of token {key} must lie in [-100, 100]")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -75,20 +89,23 @@ class _GenerationBody(_Body):
 class CompletionBody(_GenerationBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1)
-    echo: bool = Field(False, le=False)
-    logprobs: None = None
+    echo: bool = Field(False, description="The prompt before the completion (its tokens' logprobs too).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each token's logprob and this many "
+                                                                          "of the most likely.")
     best_of: int | None = Field(None, ge=1, le=1)
 
     @field_validator("prompt")
     @classmethod
-    def single_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return prompt[0]
+    def some_prompt(cls, prompt):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty")
         return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one choice (n of them) each: a list of strings or of id lists is several."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
 
 
 class TextPart(_Body):
@@ -111,7 +128,15 @@ class ChatBody(_GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = Field(False, le=False)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("only allowed when logprobs is true")
+        return top
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

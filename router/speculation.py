@@ -29,7 +29,8 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from replicas.direct_channel import ChannelBroken
-from replicas.protocol import GenerateRequest, Proposal, ProposeRequest, RowError, VerifyRequest
+from replicas.protocol import (GenerateRequest, Proposal, ProposeRequest, RowError, TokenLogprobs, Verification,
+                               VerifyRequest)
 from replicas.sampling import SamplingParams
 from router.fallback import DraftAvailability
 from router.direct_routes import DirectRoutes
@@ -75,6 +76,17 @@ class Generation:
     overlap: bool | str = False  # draft the next window while this one is verified (router/lookahead.py);
                                  # "auto": as the router's measured choice says (router/k_control.py)
     seeded: bool = False       # the client gave the seed: sampled by Gumbel-max (replicas/gumbel.py)
+    stop_token_ids: tuple[int, ...] = ()   # end the output, as EOS does (the id is in the output)
+    ignore_eos: bool = False   # EOS does not end the output: exactly max_tokens come
+    include_stop: bool = False   # the stop string or stop token's text stays in the text
+    skip_special_tokens: bool = True
+    logprobs: int | None = None          # each token's logprob, with this many of the most likely
+    prompt_logprobs: int | None = None   # the prompt's too (echo), from the first verify's rows
+    echo: str | None = None              # the text a completion starts with (the prompt's, echoed)
+
+    def ends_on(self, eos_token_ids: set[int]) -> set[int]:
+        """The token ids that end this output (once min_tokens are out)."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else eos_token_ids)
 
 
 @dataclass
@@ -106,6 +118,11 @@ class SpeculationStats:
     draft_ms: float = 0.0
     hidden_draft_ms: float = 0.0
 
+    @classmethod
+    def total(cls, parts: list["SpeculationStats"]) -> "SpeculationStats":
+        """The counters of a request's choices, summed (its response reports them as one)."""
+        return cls(**{name: sum(getattr(part, name) for part in parts) for name in cls.__dataclass_fields__})
+
     def as_dict(self) -> dict:
         rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
         per_round = 1 / self.rounds if self.rounds else 0.0
@@ -133,6 +150,9 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None   # "stop" or "length" on the last delta
+    stop_reason: int | str | None = None   # vLLM's: the stop token id or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None          # one per token id, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None   # on the first delta, when asked
 
 
 @dataclass
@@ -151,6 +171,7 @@ class _Ahead:
 class _Progress:
     text: IncrementalDetokenizer
     stops: StopStringFilter
+    ends_on: set[int]               # EOS (unless ignored) and the request's stop token ids
     generated: list[int] = field(default_factory=list)
 
 
@@ -195,15 +216,16 @@ class SpeculationLoop:
         seq_id = seq_id or uuid.uuid4().hex
         lane = lane_of(seq_id, self.lanes)
         tokens = list(gen.prompt_ids)
-        progress = _Progress(IncrementalDetokenizer(self.tokenizer), StopStringFilter(gen.stop))
+        progress = _Progress(IncrementalDetokenizer(self.tokenizer, skip_special_tokens=gen.skip_special_tokens),
+                             StopStringFilter(gen.stop, keep=gen.include_stop), gen.ends_on(self.eos_token_ids))
         self.gatherer.begin(lane, seq_id)
         self._running.add(seq_id)
         ahead = _Ahead()
         chunks = (self._engine_rounds(seq_id, gen, stats) if self.engine_rounds
                   else self._rounds(lane, seq_id, tokens, gen, stats, ahead))
         try:
-            async for new_tokens in chunks:
-                delta = self._emit(new_tokens, progress, gen)
+            async for new_tokens, verdict in chunks:
+                delta = self._emit(new_tokens, progress, gen, verdict)
                 tokens.extend(delta.token_ids)
                 yield delta
                 if delta.finish_reason:
@@ -223,16 +245,18 @@ class SpeculationLoop:
             await chunks.aclose()        # an engine's stream: abort the request there now
 
     async def _rounds(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
-                      stats: SpeculationStats, ahead: _Ahead) -> AsyncIterator[list[int]]:
+                      stats: SpeculationStats, ahead: _Ahead) -> AsyncIterator[tuple[list[int], Verification]]:
         while True:
-            yield await self._round(lane, seq_id, tokens, gen, stats, ahead)
+            verdict = await self._round(lane, seq_id, tokens, gen, stats, ahead)
+            yield verdict.tokens, verdict
 
-    async def _engine_rounds(self, seq_id: str, gen: Generation, stats: SpeculationStats) -> AsyncIterator[list[int]]:
+    async def _engine_rounds(self, seq_id: str, gen: Generation,
+                             stats: SpeculationStats) -> AsyncIterator[tuple[list[int], None]]:
         """The target engine's stream of new token ids; each piece is one of its steps (its
         accepted drafts and its own token), a piece late by more than the target's call
         timeout fails the request. Leaving early aborts the request there."""
         request = GenerateRequest(seq_id, list(gen.prompt_ids), gen.max_tokens, gen.sampling, gen.seed,
-                                  tuple(sorted(self.eos_token_ids)))
+                                  tuple(sorted(gen.ends_on(self.eos_token_ids))), gen.ignore_eos)
         response = self.pools["target"].options(stream=True).generate.remote(request)
         try:
             while True:
@@ -243,12 +267,12 @@ class SpeculationLoop:
                     return
                 stats.rounds += 1
                 stats.round_ms += (time.perf_counter() - started) * 1000
-                yield new_tokens
+                yield new_tokens, None
         finally:
             response.cancel()
 
     async def _round(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
-                     stats: SpeculationStats, ahead: _Ahead) -> list[int]:
+                     stats: SpeculationStats, ahead: _Ahead) -> Verification:
         started = time.perf_counter()
         cap = gen.max_tokens - (len(tokens) - len(gen.prompt_ids)) - 1   # a round yields up to k + 1 tokens
         if cap == 0 and gen.k > 0:
@@ -268,7 +292,8 @@ class SpeculationLoop:
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
-            noise_seed=self._noise_seed(gen))))
+            noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids), logprobs=gen.logprobs,
+            prompt_logprobs=gen.prompt_logprobs if stats.rounds == 0 else None)))
         if overlap and drafts:
             stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
                                                  lookahead_size(k, cap - len(drafts) - 1), gen, stats.rounds)
@@ -292,7 +317,7 @@ class SpeculationLoop:
         stats.retried_calls = self._retries[seq_id]
         self.control.observe(level, len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
                              adaptive=gen.adaptive, whole=whole)
-        return verdict.tokens
+        return verdict
 
     def _arm(self, gen: Generation, cap: int, level: int) -> tuple[Arm, bool]:
         """This round's k and overlap: the request's, or the router's measured choice at this
@@ -350,7 +375,7 @@ class SpeculationLoop:
             return 0
         request = ProposeRequest(seq_id, tokens + drafts, size + 1, gen.sampling,
                                  round_seed(gen.seed, round_index, "draft-ahead"), lookahead=True,
-                                 noise_seed=self._noise_seed(gen))
+                                 noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids))
 
         async def look() -> Proposal | None:
             try:
@@ -390,7 +415,7 @@ class SpeculationLoop:
         try:
             proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
                 seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft"),
-                noise_seed=self._noise_seed(gen)))
+                noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids)))
         except RowError as exc:   # this sequence's row alone failed on the draft replica
             logger.warning("drafting failed for %s (%s): verifying without drafts", seq_id, exc)
             stats.fallback_rounds += 1
@@ -472,22 +497,37 @@ class SpeculationLoop:
             except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
                 logger.warning("could not release caches of %s", seq_id, exc_info=True)
 
-    def _emit(self, new_tokens: list[int], progress: _Progress, gen: Generation) -> Delta:
-        """Take the round's tokens one at a time until EOS, a stop string or max_tokens."""
+    @staticmethod
+    def _emit(new_tokens: list[int], progress: _Progress, gen: Generation, verdict: Verification | None) -> Delta:
+        """Take the round's tokens one at a time until a stop token (EOS unless ignored, the
+        request's stop ids; its text left out unless include_stop), a stop string or
+        max_tokens. Before min_tokens are out nothing stops it (as in vLLM; the engines mask
+        the stop ids' logits until then, replicas/logits_processing.py)."""
         delta = Delta("", [])
         for token in new_tokens:
             progress.generated.append(token)
             delta.token_ids.append(token)
-            progress.stops.add(progress.text.push(token))
-            if token in self.eos_token_ids or progress.stops.stopped:
+            may_stop = len(progress.generated) >= gen.sampling.min_tokens
+            if may_stop and token in progress.ends_on:
+                if gen.include_stop:
+                    progress.stops.add(progress.text.push(token), check=False)
                 delta.finish_reason = "stop"
-            elif len(progress.generated) >= gen.max_tokens:
-                delta.finish_reason = "length"
+                delta.stop_reason = token if token in gen.stop_token_ids else None
+            else:
+                progress.stops.add(progress.text.push(token), check=may_stop)
+                if progress.stops.stopped:
+                    delta.finish_reason, delta.stop_reason = "stop", progress.stops.hit
+                elif len(progress.generated) >= gen.max_tokens:
+                    delta.finish_reason = "length"
             if delta.finish_reason:
                 if not progress.stops.stopped:
-                    progress.stops.add(progress.text.flush())
+                    progress.stops.add(progress.text.flush(), check=False)
                 break
         delta.text = progress.stops.release(final=delta.finish_reason is not None)
+        if verdict is not None and verdict.logprobs is not None:
+            delta.logprobs = list(verdict.logprobs[:len(delta.token_ids)])
+        if verdict is not None and verdict.prompt_logprobs is not None:
+            delta.prompt_logprobs = list(verdict.prompt_logprobs)
         return delta
 
 

@@ -3,7 +3,8 @@ stop strings.
 
 Text is released only when it is final: a multi-byte character still being spelled out over
 several byte-level tokens (its decoded text ends in U+FFFD) waits, and so does a tail that
-could still turn into a stop string. A stop string ends the text just before it.
+could still turn into a stop string. A stop string ends the text just before it (after it,
+when the request keeps it: vLLM's include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ class IncrementalDetokenizer:
     """Decodes a growing id list in O(new tokens) per call, by re-decoding a few tokens of
     context before the unread ones (so merges across the boundary come out right)."""
 
-    def __init__(self, tokenizer, context: int = 5):
+    def __init__(self, tokenizer, context: int = 5, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.context = context
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.read = 0  # ids[:read] are already turned into text
 
@@ -40,25 +42,32 @@ class IncrementalDetokenizer:
         return full[len(known):]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
 
 class StopStringFilter:
     """Accumulates text; says how much is safe to release and whether a stop string hit."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], keep: bool = False):
         self.stops = [s for s in stops if s]
+        self.keep = keep               # the stop string stays in the text
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.released = 0
         self.stopped = False
+        self.hit: str | None = None    # the stop string that ended the text
 
-    def add(self, piece: str) -> None:
+    def add(self, piece: str, check: bool = True) -> None:
+        """Append `piece`; unless `check` is false (min_tokens not yet out), look for a stop
+        string in the text it completes."""
         search_from = max(0, len(self.text) - self.longest + 1)
         self.text += piece
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if not check:
+            return
+        hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stops) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, self.hit = min(hits)
+            self.text = self.text[:at + (len(self.hit) if self.keep else 0)]
             self.stopped = True
 
     def release(self, final: bool) -> str:

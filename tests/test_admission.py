@@ -34,7 +34,7 @@ def chat_body(**fields) -> ChatBody:
 
 def test_chat_without_template_uses_the_plain_one(config, tokenizer):
     assert not tokenizer.chat_template
-    gen = Admission(config, tokenizer, len(tokenizer)).chat(chat_body())
+    gen = Admission(config, tokenizer, len(tokenizer)).chat(chat_body())[0]
     assert tokenizer.decode(gen.prompt_ids) == "system: be brief\nuser: hi\nassistant:"
     assert plain_chat_prompt(chat_body().messages).endswith("assistant:")
 
@@ -42,15 +42,15 @@ def test_chat_without_template_uses_the_plain_one(config, tokenizer):
 def test_chat_uses_the_tokenizer_template_when_it_has_one(config):
     templated = train_tokenizer()
     templated.chat_template = TEMPLATE
-    gen = Admission(config, templated, len(templated)).chat(chat_body())
+    gen = Admission(config, templated, len(templated)).chat(chat_body())[0]
     assert templated.decode(gen.prompt_ids) == "<system>be brief</system><user>hi</user><assistant>"
 
 
 def test_k_and_speculation_switch(config, tokenizer):
     admission = Admission(config, tokenizer, len(tokenizer))
-    assert admission.chat(chat_body()).k == 3  # the config default
-    assert admission.chat(chat_body(speculation={"k": 6})).k == 6
-    assert admission.chat(chat_body(speculation={"enabled": False, "k": 5})).k == 0
+    assert admission.chat(chat_body())[0].k == 3  # the config default
+    assert admission.chat(chat_body(speculation={"k": 6}))[0].k == 6
+    assert admission.chat(chat_body(speculation={"enabled": False, "k": 5}))[0].k == 0
     with pytest.raises(OpenAIError) as error:
         admission.chat(chat_body(speculation={"k": 7}))
     assert error.value.status == 400 and error.value.param == "speculation.k"
@@ -59,10 +59,10 @@ def test_k_and_speculation_switch(config, tokenizer):
 def test_max_tokens_default_cap_and_context_room(config, tokenizer):
     admission = Admission(config, tokenizer, len(tokenizer))
     body = parse_body(CompletionBody, b'{"model": "specserve", "prompt": [1, 2, 3]}')
-    assert admission.completion(body).max_tokens == config.limits.default_max_tokens
+    assert admission.completion(body)[0].max_tokens == config.limits.default_max_tokens
     long_prompt = list(range(1, config.limits.context_length - 4))
     body = CompletionBody(model="specserve", prompt=long_prompt, max_tokens=100)
-    assert admission.completion(body).max_tokens == 5  # what is left of the context
+    assert admission.completion(body)[0].max_tokens == 5  # what is left of the context
 
 
 @pytest.mark.parametrize("speculation, expected", [
@@ -72,7 +72,7 @@ def test_max_tokens_default_cap_and_context_room(config, tokenizer):
 ])
 def test_a_request_may_fix_k_or_turn_speculation_off(config, tokenizer, speculation, expected):
     body = {"model": "specserve", "prompt": "x"} | ({"speculation": speculation} if speculation else {})
-    gen = Admission(config, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, json.dumps(body).encode()))
+    [gen] = Admission(config, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, json.dumps(body).encode()))
     assert {"k": gen.k, "adaptive": gen.adaptive} == expected
 
 
@@ -80,7 +80,7 @@ def test_a_request_cannot_turn_on_what_the_operator_turned_off(zoo, tokenizer):
     off = cluster_config(zoo.target, zoo.drafts["perturbed"], speculation={"enabled": False})
     for speculation in ({"enabled": True}, {"enabled": True, "k": 2}, {"k": 2}):
         body = json.dumps({"model": "specserve", "prompt": "x", "speculation": speculation}).encode()
-        gen = Admission(off, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, body))
+        gen = Admission(off, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, body))[0]
         assert (gen.k, gen.adaptive) == (0, False), speculation
 
 
@@ -103,4 +103,5 @@ def test_overlap_is_the_routers_choice_unless_a_request_fixes_it(zoo, tokenizer,
     config = cluster_config(zoo.target, zoo.drafts["perturbed"], speculation={"overlap": server})
     speculation = {} if asked is None else {"overlap": asked}
     body = json.dumps({"model": "specserve", "prompt": "x", "speculation": speculation}).encode()
-    assert Admission(config, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, body)).overlap == expected
+    [gen] = Admission(config, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, body))
+    assert gen.overlap == expected

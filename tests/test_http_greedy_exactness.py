@@ -95,3 +95,46 @@ def test_stop_string_boundaries(apps, reference, stream):
                 assert got["text"] == want_text, (regime, k, stop)
                 assert got["finish_reason"] == "stop"
                 assert got["token_ids"] == reference[prompt]["token_ids"][:len(got["token_ids"])]
+
+
+# Penalties and biases change the target's distribution at every position of a window, drafts
+# included: the reference decodes one token at a time with Hugging Face forward passes, the
+# repetition penalty by transformers' own processor and the rest by their vLLM definitions
+# (tests/test_logits_processing.py), never through the engine's code.
+ADJUSTED = {"repetition_penalty": 1.3, "frequency_penalty": 0.6, "presence_penalty": 0.4}
+
+
+@pytest.fixture(scope="module")
+def adjusted_reference(zoo) -> dict[str, list[int]]:
+    from replicas.sampling import SamplingParams
+    from tests.test_logits_processing import reference_row
+
+    model = load_causal_lm(ModelSpec(path=zoo.target))
+    tokenizer = load_tokenizer(zoo.target)
+    out = {}
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        # a bias against the target's own first choice, and for another token
+        with torch.inference_mode():
+            first = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        bias = ((first, -4.0), ((first + 1) % len(tokenizer), 2.0))
+        params = SamplingParams(temperature=0.0, logit_bias=bias, **ADJUSTED)
+        tokens = list(ids)
+        with torch.inference_mode():
+            for _ in range(MAX_TOKENS):
+                logits = model(torch.tensor([tokens])).logits[0, -1]
+                tokens.append(int(reference_row(logits, params, tokens, len(ids)).argmax()))
+        out[prompt] = {"tokens": tokens[len(ids):], "logit_bias": {str(t): b for t, b in bias}}
+    return out
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("regime", ["copy", "unrelated", "perturbed"])
+def test_greedy_with_penalties_and_bias_equals_the_target_alone(apps, reference, adjusted_reference, regime, k):
+    for prompt in PROMPTS:
+        want = adjusted_reference[prompt]
+        assert want["tokens"] != reference[prompt]["token_ids"]      # the adjustments change the output
+        fields = {**ADJUSTED, "logit_bias": want["logit_bias"], "max_tokens": MAX_TOKENS}
+        got = complete(apps[regime], prompt, speculation={"k": k}, **fields)["choices"][0]["token_ids"]
+        assert got == want["tokens"][:len(got)]
+        assert len(got) == MAX_TOKENS or got[-1] == 0                # or it ended on EOS (id 0)

@@ -1,7 +1,10 @@
 """Sampled speculation has exactly the target's distribution.
 
 On a tiny-vocabulary pair the joint distribution of the first two generated tokens is known
-exactly by enumeration (V * V cells). Speculative samples from the real engines are compared
+exactly by enumeration (V * V cells), each position's distribution built apart from the code
+under test: transformers' temperature, top-k and top-p warpers and its repetition penalty,
+and vLLM's logit bias and frequency and presence penalties written out token by token
+(tests/test_logits_processing.py). Speculative samples from the real engines are compared
 with it by a chi-square goodness-of-fit test at significance ALPHA: a correct sampler fails
 it with probability ALPHA (0.1 %) for a random seed; the seeds here are fixed, so the outcome
 is deterministic. The same test must reject deliberately wrong acceptance and residual rules,
@@ -12,15 +15,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+import replicas.logits_processing as processing
 import replicas.speculative as speculative
 from cluster.config import ModelSpec
 from replicas.engines import DraftEngine, TargetEngine
 from replicas.shard_group import launch_local
 from replicas.protocol import ProposeRequest, VerifyRequest
-from replicas.sampling import SamplingParams, warped_probs
+from replicas.sampling import SamplingParams
 from training.tiny_models import tiny_llama
 from router.speculation import round_seed
+from tests.test_logits_processing import reference_row
 
 VOCAB = 8
 PROMPT = [1, 2, 3]
@@ -32,6 +38,8 @@ ALPHA = 1e-3
 SETTINGS = {
     "plain": SamplingParams(temperature=1.0),
     "warped": SamplingParams(temperature=0.8, top_k=6, top_p=0.9),
+    # the second token's distribution depends on the first (a draft of the same window, often)
+    "penalised": SamplingParams(temperature=0.9, frequency_penalty=1.2, logit_bias=((3, 1.5), (5, -1.0))),
 }
 
 
@@ -44,12 +52,24 @@ def pair():
     return target, draft
 
 
+def reference_probs(logits: torch.Tensor, params: SamplingParams, context: list[int]) -> torch.Tensor:
+    """A position's distribution [V] from its logits and context, without the engine's code."""
+    scores = reference_row(logits, params, context, len(PROMPT))[None]
+    ids = torch.tensor([context])
+    scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    return torch.softmax(scores[0], dim=-1)
+
+
 @torch.inference_mode()
 def exact_joint(target, params: SamplingParams) -> torch.Tensor:
     """P(t1, t2 | PROMPT) [V, V], by enumerating t1 with full forward passes (no cache)."""
-    first = warped_probs(target(torch.tensor([PROMPT])).logits[0, -1:], params)[0]  # [V]
-    seconds = torch.tensor([PROMPT + [t] for t in range(VOCAB)])                     # [V, L+1]
-    second = warped_probs(target(seconds).logits[:, -1], params)                      # [V, V]
+    first = reference_probs(target(torch.tensor([PROMPT])).logits[0, -1], params, PROMPT)       # [V]
+    seconds = target(torch.tensor([PROMPT + [t] for t in range(VOCAB)])).logits[:, -1]           # [V, V]
+    second = torch.stack([reference_probs(seconds[t], params, PROMPT + [t]) for t in range(VOCAB)])
     return first[:, None] * second
 
 
@@ -73,10 +93,10 @@ def speculative_pairs(target, draft, params: SamplingParams, seed: int,
             noise = {i: seeds[i] if seeded else None for i in unfinished}
             proposals = drafts.propose([ProposeRequest(
                 f"s{i}", sequences[i], k_of(round_index, i), params, round_seed(seeds[i], round_index, "draft"),
-                noise_seed=noise[i]) for i in unfinished])
+                noise_seed=noise[i], prompt_len=len(PROMPT)) for i in unfinished])
             verdicts = verifier.verify([VerifyRequest(
                 f"s{i}", sequences[i], proposal.tokens, proposal.probs, params,
-                round_seed(seeds[i], round_index, "target"), noise_seed=noise[i])
+                round_seed(seeds[i], round_index, "target"), noise_seed=noise[i], prompt_len=len(PROMPT))
                 for i, proposal in zip(unfinished, proposals)])
             for i, verdict in zip(unfinished, verdicts):
                 sequences[i] += verdict.tokens
@@ -94,6 +114,8 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
     keep = expected > 0
     observed, expected = observed[keep], expected[keep]
+    # one cell holding all the mass leaves no degree of freedom: the test could tell nothing
+    assert len(observed) >= 2, "all the expected mass lies in one cell: the test has no power"
     statistic = ((observed - expected) ** 2 / expected).sum()
     dof = torch.tensor(float(len(observed) - 1), dtype=torch.float64)
     return float(torch.special.gammaincc(dof / 2, statistic / 2))
@@ -153,6 +175,23 @@ def _inverted_ratio(p_x, q_x):
 
 def _resample_from_target(p, q):
     return p
+
+
+def test_the_test_rejects_penalties_that_forget_the_window(pair, monkeypatch):
+    """Power: counting the output before the window only, so that a draft of the window is not
+    penalised at the positions after it, is the bug speculation invites; it fails."""
+    target, draft = pair
+    params = SETTINGS["penalised"]
+    monkeypatch.setattr(processing, "_counts",
+                        lambda before, window, n, vocab, device: processing._bincount(before, vocab, device)[None]
+                        .repeat(n, 1))
+    counts = speculative_pairs(target, draft, params, seed=1, samples=BROKEN_RULE_SAMPLES)
+    assert chi_square_p_value(counts, exact_joint(target, params)) < ALPHA
+
+
+def test_the_chi_square_helper_refuses_a_single_cell():
+    with pytest.raises(AssertionError, match="one cell"):
+        chi_square_p_value(torch.tensor([[10.0, 0.0], [0.0, 0.0]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
 
 
 @pytest.mark.parametrize("rule,broken", [

@@ -281,3 +281,23 @@ def test_detokenized_stream_cut_at_stop(tokenizer, stop):
     released += f.release(final=True)
     assert f.stopped
     assert released == text[:text.index(stop)]
+
+
+def test_a_kept_stop_string_stays_in_the_text_and_is_named():
+    f = StopStringFilter(["<END>", "zz"], keep=True)
+    f.add("abc <EN")
+    f.add("D> never")
+    assert f.stopped and f.hit == "<END>"
+    assert f.release(final=True) == "abc <END>"
+
+
+def test_text_added_unchecked_is_not_searched_later():
+    """min_tokens: a stop string wholly inside the text before min_tokens does not end it
+    afterwards (vLLM looks at the new text only); one completed afterwards does."""
+    f = StopStringFilter(["ab"])
+    f.add("xab", check=False)
+    assert not f.stopped
+    f.add("c")
+    assert not f.stopped
+    f.add("ab!")
+    assert f.stopped and f.release(final=True) == "xabc"

@@ -11,12 +11,15 @@ sequence's place of the results; the batch's other rows are answered as usual.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from replicas.kv_cache import KVCacheStore
+from replicas.logits_processing import adjusted_logits
+from replicas.logprobs import token_logprobs
 from replicas.model_runner import ExtendCall, Extension, ModelRunner
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.gumbel import gumbel_choices
@@ -103,7 +106,7 @@ class DraftEngine(_Engine):
             extensions = self.runner.extend_batch(
                 [ExtendCall(requests[i].seq_id, tokens[i], 1) for i in active])
             chosen = self._choose(active, extensions, requests, generators, rows, failures,
-                                  [len(tokens[i]) for i in active])
+                                  [tokens[i] for i in active])
             for i, extension in zip(active, extensions):
                 fed[i] += extension.positions_fed
                 if i in chosen:
@@ -118,22 +121,29 @@ class DraftEngine(_Engine):
 
     @staticmethod
     def _choose(active: list[int], extensions: list[Extension], requests: list[ProposeRequest], generators,
-                rows: list[list[torch.Tensor]], failures: dict[int, RowError], positions: list[int]) -> dict[int, int]:
-        """This step's draft token of each active request: the argmax of every greedy row in
-        one transfer; for a seeded request the Gumbel-max choice from q at its position
-        (`positions`, the index of the token drafted); a sample from q for the others (q kept
-        for the target's rule)."""
-        greedy = [(i, e) for i, e in zip(active, extensions) if requests[i].sampling.greedy]
-        chosen = {i: choices[0] for (i, _), choices in zip(greedy, _argmax_rows([e.logits for _, e in greedy]))}
-        for i, extension, position in zip(active, extensions, positions):
+                rows: list[list[torch.Tensor]], failures: dict[int, RowError],
+                histories: list[list[int]]) -> dict[int, int]:
+        """This step's draft token of each active request, from its logits adjusted by its
+        penalties and bias over its history (the tokens before the one drafted): the argmax
+        of every greedy row in one transfer; for a seeded request the Gumbel-max choice from q
+        at its position; a sample from q for the others (q kept for the target's rule)."""
+        logits = {}
+        for i, extension, history in zip(active, extensions, histories):
+            try:
+                logits[i] = adjusted_logits(extension.logits, requests[i].sampling, history, requests[i].prompt_len)
+            except Exception as exc:  # noqa: BLE001 - this row alone fails
+                failures[i] = RowError.of(requests[i].seq_id, exc)
+        greedy = [i for i in logits if requests[i].sampling.greedy]
+        chosen = {i: choices[0] for i, choices in zip(greedy, _argmax_rows([logits[i] for i in greedy]))}
+        for i, history in zip(active, histories):
             request = requests[i]
-            if request.sampling.greedy:
+            if request.sampling.greedy or i not in logits:
                 continue
             try:
-                q = warped_probs(extension.logits, request.sampling)[0]  # [V]
+                q = warped_probs(logits[i], request.sampling)[0]  # [V]
                 if request.noise_seed is not None:
                     check_finite(q)
-                    chosen[i] = int(gumbel_choices(q[None], request.noise_seed, position)[0])
+                    chosen[i] = int(gumbel_choices(q[None], request.noise_seed, len(history))[0])
                     continue
                 chosen[i] = sample(q, generators[i])
                 rows[i].append(q)
@@ -151,13 +161,28 @@ class TargetEngine(_Engine):
             return []
         started = time.perf_counter()
         extensions = self.runner.extend_batch(
-            [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), len(r.draft_tokens) + 1)
-             for r in requests])  # logits [k+1, V] each
-        outcomes = self._decide(requests, [e.logits for e in extensions])
+            [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), _logit_rows(r)) for r in requests])
+        windows = [e.logits[-(len(r.draft_tokens) + 1):] for e, r in zip(extensions, requests)]   # [k+1, V] each
+        outcomes = self._decide(requests, windows)
+        results = [o if isinstance(o, RowError) else self._verification(r, o, e, w)
+                   for r, o, e, w in zip(requests, outcomes, extensions, windows)]
         model_ms = (time.perf_counter() - started) * 1000
-        return [o if isinstance(o, RowError) else
-                Verification(o.accepted, o.tokens, e.positions_fed, e.batch_rows, model_ms, e.batch_positions)
-                for o, e in zip(outcomes, extensions)]
+        return [result if isinstance(result, RowError) else replace(result, model_ms=model_ms) for result in results]
+
+    def _verification(self, request: VerifyRequest, outcome, extension: Extension,
+                      window: torch.Tensor) -> Verification | RowError:
+        """The round's outcome, with the logprobs it asked for from the rows the pass computed."""
+        try:
+            logprobs = prompt_logprobs = None
+            if request.logprobs is not None:
+                logprobs = tuple(token_logprobs(window[:len(outcome.tokens)], outcome.tokens, request.logprobs))
+            if request.prompt_logprobs is not None:
+                prompt_logprobs = tuple(token_logprobs(extension.logits[:len(request.tokens) - 1],
+                                                       list(request.tokens[1:]), request.prompt_logprobs))
+        except Exception as exc:  # noqa: BLE001 - this row alone fails
+            return RowError.of(request.seq_id, exc)
+        return Verification(outcome.accepted, outcome.tokens, extension.positions_fed, extension.batch_rows, 0.0,
+                            extension.batch_positions, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _decide(self, requests: list[VerifyRequest], logits: list[torch.Tensor]) -> list:
         outcomes: list = [None] * len(requests)
@@ -165,6 +190,9 @@ class TargetEngine(_Engine):
         for i, bad in enumerate(poisoned):
             if bad:
                 outcomes[i] = NonFiniteDistribution("the target model's logits hold NaN")
+        # p of every position of the window, from the sequence's tokens up to it, drafts included
+        logits = [adjusted_logits(rows, r.sampling, list(r.tokens) + list(r.draft_tokens), r.prompt_len)
+                  for rows, r in zip(logits, requests)]
         greedy = [i for i, r in enumerate(requests) if r.sampling.greedy and outcomes[i] is None]
         for i, choices in zip(greedy, _argmax_rows([logits[i] for i in greedy])):
             outcomes[i] = greedy_round(choices, list(requests[i].draft_tokens))
@@ -212,6 +240,12 @@ class TargetEngine(_Engine):
             self.runner.release(request.seq_id)   # its cache may hold the same bad numbers
             return RowError.of(request.seq_id, outcome)
         return outcome
+
+
+def _logit_rows(request: VerifyRequest) -> int:
+    """Rows of logits a verify needs: its window's k + 1, and the prompt's when it wants their logprobs."""
+    window = len(request.draft_tokens) + 1
+    return window + (len(request.tokens) - 1 if request.prompt_logprobs is not None else 0)
 
 
 def _draft_probs_fit(request: VerifyRequest, vocab: int) -> bool:
