@@ -146,14 +146,13 @@ class Measure:
 
     def scaled(self, factor: float) -> "Measure":
         return Measure({k: n * factor for k, n in self.whole.items()},
-                       *(getattr(self, name) * factor for name in ("cut_tokens", "rounds", "adaptive", "ms", "seconds")))
+                       *(getattr(self, name) * factor for name in _SUMS))
 
     def __add__(self, other: "Measure") -> "Measure":
         whole = dict(self.whole)
         for k, n in other.whole.items():
             whole[k] = whole.get(k, 0.0) + n
-        return Measure(whole, *(getattr(self, name) + getattr(other, name)
-                                for name in ("cut_tokens", "rounds", "adaptive", "ms", "seconds")))
+        return Measure(whole, *(getattr(self, name) + getattr(other, name) for name in _SUMS))
 
     def tokens_per_s(self, keep: KeepChances) -> float:
         """Tokens per second of wall time across the router's sequences."""
@@ -162,6 +161,9 @@ class Measure:
 
     def round_ms(self) -> float:
         return self.ms / self.rounds if self.rounds else 0.0
+
+
+_SUMS = ("cut_tokens", "rounds", "adaptive", "ms", "seconds")   # Measure's fields after `whole`
 
 
 @dataclass
@@ -263,7 +265,8 @@ class LevelClimb:
             self._fresh = False
             return
         if self._incumbent_windows:
-            self._window_noise.add(math.log(window.tokens_per_s(self.keep) / self._incumbent_windows[-1].tokens_per_s(self.keep)) ** 2)
+            before = self._incumbent_windows[-1]
+            self._window_noise.add(math.log(window.tokens_per_s(self.keep) / before.tokens_per_s(self.keep)) ** 2)
         self._incumbent_windows = (self._incumbent_windows + [window])[-(_MOST_PAIRS + 1):]
         self._fresh = True
         if duel is not None and not duel.plan:
@@ -376,7 +379,8 @@ class LevelClimb:
                 "rounds": self.rounds, "climbs": self.climbs, "changes": self.changes,
                 "window_noise": round(math.sqrt(self._window_noise.get(_PRIOR_WINDOW_NOISE ** 2) / 2), 4),
                 "last_duels": self.duels, "last_windows": self.windows,
-                "tokens_per_s": {arm.name: round(m.tokens_per_s(self.keep), 1) for arm, m in sorted(self.table.items())}}
+                "tokens_per_s": {arm.name: round(m.tokens_per_s(self.keep), 1)
+                                 for arm, m in sorted(self.table.items())}}
 
 
 def _pooled(windows: list[Measure]) -> Measure:
