@@ -11,8 +11,9 @@ import torch
 from replicas.engines import DraftEngine, TargetEngine
 from replicas.gumbel import exponential_noise, gumbel_choices, hash32
 from replicas.protocol import ProposeRequest, VerifyRequest
-from replicas.sampling import SamplingParams, warped_probs
+from replicas.sampling import SamplingParams
 from router.speculation import round_seed
+from tests.test_logits_processing import reference_probs
 from tests.test_sampling_exactness import (ALPHA, PROMPT, chi_square_p_value, exact_joint, pair,  # noqa: F401
                                           speculative_pairs)
 
@@ -122,8 +123,8 @@ def test_the_gumbel_rule_keeps_drafts_between_its_bounds(pair):
     (Daliri, Musco and Suresh 2024): measured on the pair's first position."""
     target, draft = pair
     with torch.inference_mode():
-        p = warped_probs(target(torch.tensor([PROMPT])).logits[0, -1:], WARPED)
-        q = warped_probs(draft(torch.tensor([PROMPT])).logits[0, -1:], WARPED)
+        p = reference_probs(target(torch.tensor([PROMPT])).logits[0, -1], WARPED, PROMPT, len(PROMPT))[None]
+        q = reference_probs(draft(torch.tensor([PROMPT])).logits[0, -1], WARPED, PROMPT, len(PROMPT))[None]
     tv = 0.5 * float((p - q).abs().sum())
     agree = sum(int(gumbel_choices(p, s, 0)[0] == gumbel_choices(q, s, 0)[0]) for s in range(4000)) / 4000
     assert (1 - tv) / (1 + tv) - 0.03 <= agree <= 1 - tv + 0.03

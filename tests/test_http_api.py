@@ -392,7 +392,7 @@ def test_openai_client_errors(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1000)
     assert bad.value.status_code == 400 and bad.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=17)
     assert bad.value.param == "n"
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-9", prompt="x", max_tokens=1)

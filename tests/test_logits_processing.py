@@ -11,7 +11,8 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import (MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 import replicas.logits_processing as processing
 from replicas.logits_processing import adjusted_logits
@@ -36,6 +37,19 @@ def reference_row(logits: torch.Tensor, params: SamplingParams, context: list[in
     for token, count in Counter(context[prompt_len:]).items():
         row[token] -= params.frequency_penalty * count + params.presence_penalty
     return row
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams, context: list[int], prompt_len: int) -> torch.Tensor:
+    """A position's sampled distribution [V] from its logits and context, none of it by the
+    engine's code: the adjustments above, then transformers' temperature, top-k and top-p."""
+    scores = reference_row(logits, params, context, prompt_len)[None]
+    ids = torch.tensor([context])
+    scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    return torch.softmax(scores[0], dim=-1)
 
 
 def reference(logits: torch.Tensor, params: SamplingParams, history: list[int], prompt_len: int) -> torch.Tensor:

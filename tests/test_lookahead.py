@@ -57,9 +57,11 @@ def twins():
 @torch.inference_mode()
 def next_token_probs(target, params) -> torch.Tensor:
     """p(t3 | PROMPT, t1, t2) for every (t1, t2): [V, V, V]."""
-    contexts = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
-    from replicas.sampling import warped_probs
-    return warped_probs(target(contexts).logits[:, -1], params).reshape(VOCAB, VOCAB, VOCAB)
+    from tests.test_logits_processing import reference_probs
+    contexts = [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    logits = target(torch.tensor(contexts)).logits[:, -1]
+    rows = [reference_probs(row, params, context, len(PROMPT)) for row, context in zip(logits, contexts)]
+    return torch.stack(rows).reshape(VOCAB, VOCAB, VOCAB)
 
 
 def tokens_from_lookaheads(target, draft, params, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,19 +76,23 @@ def tokens_from_lookaheads(target, draft, params, seed: int) -> tuple[torch.Tens
     for first in range(0, SAMPLES, BATCH):
         rows = range(first, first + BATCH)
         seeds = {i: seed * 1_000_003 + i for i in rows}
-        props = drafts.propose([ProposeRequest(f"s{i}", PROMPT, 1, params, round_seed(seeds[i], 0, "draft"))
-                                for i in rows])
+        prompt_len = len(PROMPT)     # the penalties count the output after it
+        props = drafts.propose([ProposeRequest(f"s{i}", PROMPT, 1, params, round_seed(seeds[i], 0, "draft"),
+                                               prompt_len=prompt_len) for i in rows])
         aheads = drafts.propose([ProposeRequest(f"s{i}", PROMPT + p.tokens, 2, params,
-                                                round_seed(seeds[i], 0, "draft-ahead")) for i, p in zip(rows, props)])
+                                                round_seed(seeds[i], 0, "draft-ahead"), prompt_len=prompt_len)
+                                 for i, p in zip(rows, props)])
         verdicts = verifier.verify([VerifyRequest(f"s{i}", PROMPT, p.tokens, p.probs, params,
-                                                  round_seed(seeds[i], 0, "target")) for i, p in zip(rows, props)])
+                                                  round_seed(seeds[i], 0, "target"), prompt_len=prompt_len)
+                                    for i, p in zip(rows, props)])
         hits = []
         for i, p, ahead, verdict in zip(rows, props, aheads, verdicts):
             ready = lookahead.usable_drafts(p.tokens, verdict, ahead, k_next=1)
             if ready is not None:
                 hits.append((i, PROMPT + verdict.tokens, ready))
         answers = verifier.verify([VerifyRequest(f"s{i}", context, ready.tokens, ready.probs, params,
-                                                 round_seed(seeds[i], 1, "target")) for i, context, ready in hits])
+                                                 round_seed(seeds[i], 1, "target"), prompt_len=prompt_len)
+                                   for i, context, ready in hits])
         for (_, context, _), answer in zip(hits, answers):
             counts[answer.tokens[0]] += 1
             expected += exact[context[-2], context[-1]]

