@@ -60,7 +60,10 @@ class Admission:
         self._check_logprobs(body.logprobs is not None, "logprobs")
         generations = []
         for prompt in prompts:
-            prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
+            if isinstance(prompt, str):
+                prompt_ids = self.tokenizer.encode(prompt)
+            else:
+                prompt_ids = list(self._token_ids(prompt, "prompt"))
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if body.echo else None
             generations += self._generations(body, prompt_ids, body.max_tokens, "prompt", logprobs=body.logprobs,
                                              prompt_logprobs=body.logprobs if body.echo else None, echo=echo)
@@ -110,11 +113,6 @@ class Admission:
             raise bad_request(
                 f"This model's maximum context length is {self.config.limits.context_length} tokens; "
                 f"the prompt has {prompt_chars} characters, more than that many tokens can hold.", prompt_param)
-
-    def _checked_ids(self, ids: list[int]) -> list[int]:
-        if any(not 0 <= i < self.vocab_size for i in ids):
-            raise bad_request(f"prompt token ids must lie in [0, {self.vocab_size})", "prompt")
-        return ids
 
     def _generations(self, body: _GenerationBody, prompt_ids: list[int], max_tokens: int | None,
                      prompt_param: str, max_param: str = "max_tokens", logprobs: int | None = None,
