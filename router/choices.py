@@ -36,8 +36,18 @@ class ChoiceOutput:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    def mean_logprob(self) -> float:
+        return sum(e.logprob for e in self.logprobs) / max(len(self.logprobs), 1)
+
     def text_length(self) -> int:
         return sum(map(len, self.pieces))
+
+
+def best_of(outputs: list[ChoiceOutput], samples: int, n: int) -> list[ChoiceOutput]:
+    """Of each prompt's `samples` choices (consecutive), the n with the highest mean logprob
+    per token (OpenAI's "best"), best first; ties keep the order they were sampled in."""
+    groups = [outputs[i:i + samples] for i in range(0, len(outputs), samples)]
+    return [out for group in groups for out in sorted(group, key=lambda out: -out.mean_logprob())[:n]]
 
 
 def prompt_tokens(gens: list[Generation], n: int) -> int:

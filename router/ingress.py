@@ -33,7 +33,7 @@ from replicas.loading import load_tokenizer
 from replicas.protocol import RowError, TokenLogprobs
 from router.admission import Admission
 from router.auth import ApiKeys
-from router.choices import ChoiceOutput, interleaved, prompt_tokens
+from router.choices import ChoiceOutput, best_of, interleaved, prompt_tokens
 from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_too_large, server_error,
                            unavailable, unsupported_media_type)
 from router.gate import GateFull, RequestGate, Slot
@@ -264,11 +264,16 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - this request's own failure, told to its client
             logger.warning("generation %s failed: %r", response_id, exc)
             raise _failure(exc) from None
+        samples, generated = body.samples_per_prompt(), sum(len(out.ids) for out in outputs)
+        shown_logprobs = samples == body.n or body.logprobs is not None   # best_of ranks by them regardless
+        if samples > body.n:
+            outputs = best_of(outputs, samples, body.n)
         choices = [fmt.choice(i, out.text(), out.finish, out.stop_reason, out.ids if body.return_token_ids else None,
-                              self._logprobs(fmt, out.gen, out.logprobs, out.prompt_logprobs))
+                              self._logprobs(fmt, out.gen, out.logprobs, out.prompt_logprobs)
+                              if shown_logprobs else None)
                    for i, out in enumerate(outputs)]
         return envelope(fmt.object, response_id, body.model, choices,
-                        usage=usage(prompt_tokens(gens, body.n), sum(len(out.ids) for out in outputs)),
+                        usage=usage(prompt_tokens(gens, samples), generated),
                         speculation=SpeculationStats.total(stats).as_dict())
 
     def _logprobs(self, fmt: ResponseFormat, gen: Generation, entries: list[TokenLogprobs] | None,
@@ -295,7 +300,7 @@ class Router:
         outputs = [ChoiceOutput(gen) for gen in gens]
         options = body.stream_options
         want_ids, outcome = body.return_token_ids, (200, None)
-        prompt_count = prompt_tokens(gens, body.n)
+        prompt_count = prompt_tokens(gens, body.samples_per_prompt())
         try:
             async for i, delta in self._choices(gens, response_id, deadline, stats):
                 out = outputs[i]

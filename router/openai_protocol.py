@@ -80,6 +80,10 @@ class _GenerationBody(_Body):
             raise ValueError("only allowed when stream is true")
         return options
 
+    def samples_per_prompt(self) -> int:
+        """Choices sampled per prompt."""
+        return self.n
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -92,7 +96,8 @@ class CompletionBody(_GenerationBody):
     echo: bool = Field(False, description="The prompt before the completion (its tokens' logprobs too).")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each token's logprob and this many "
                                                                           "of the most likely.")
-    best_of: int | None = Field(None, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, description="Sample this many per prompt and return the n "
+                                                        "with the highest logprob per token.")
 
     @field_validator("prompt")
     @classmethod
@@ -100,6 +105,20 @@ class CompletionBody(_GenerationBody):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty")
         return prompt
+
+    @field_validator("best_of")
+    @classmethod
+    def best_of_covers_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"must be at least n ({n})")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise ValueError("must equal n when stream is true (the best are known only at the end)")
+        return best_of
+
+    def samples_per_prompt(self) -> int:
+        """Choices sampled per prompt: best_of of them when n of the best are returned."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one choice (n of them) each: a list of strings or of id lists is several."""

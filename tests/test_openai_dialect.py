@@ -145,6 +145,23 @@ def test_n_choices_differ_when_sampled_and_repeat_with_a_seed(apps):
     assert greedy[0]["token_ids"] == greedy[1]["token_ids"]
 
 
+def test_best_of_returns_the_samples_with_the_highest_logprob_per_token(apps):
+    """best_of=4, n=2 samples the same four seeded choices as n=4 and returns the two whose
+    tokens have the highest mean logprob (read from the n=4 response's logprobs, which
+    test_completion_logprobs_are_the_targets_raw_ones checks against a HF forward)."""
+    url = apps["perturbed"]
+    fields = {"max_tokens": 10, "temperature": 1.0, "seed": 11}
+    samples = complete(url, n=4, logprobs=0, **fields)
+    means = [sum(c["logprobs"]["token_logprobs"]) / len(c["token_ids"]) for c in samples["choices"]]
+    assert len(set(means)) == 4
+    best = complete(url, n=2, best_of=4, **fields)
+    ranked = sorted(range(4), key=lambda i: -means[i])[:2]
+    assert [c["token_ids"] for c in best["choices"]] == [samples["choices"][i]["token_ids"] for i in ranked]
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in best["choices"])    # ranked by them, not asked for
+    assert best["usage"] == samples["usage"]                       # every sample's tokens count
+
+
 def test_logit_bias_against_the_greedy_token_changes_it_exactly_as_the_target_alone(apps):
     url = apps["perturbed"]
     first = only(complete(url, max_tokens=8))["token_ids"][0]
