@@ -80,6 +80,17 @@ class GenerateRequest:
     seed: int
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None          # as VerifyRequest's
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """What a target engine that runs its own rounds streams: one step's new tokens, their
+    logprobs (and, in the first step, the prompt's) when the request asked for them."""
+    tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class RowError(Exception):

@@ -29,7 +29,7 @@ from typing import AsyncIterator
 from ray import serve
 
 from cluster.config import ModelSpec, TargetPoolConfig
-from replicas.protocol import GenerateRequest
+from replicas.protocol import EngineStep, GenerateRequest, TokenLogprobs
 from replicas.vllm_proposer import KEY_ENV, ROUTES_ENV, TIMEOUT_ENV
 
 logger = logging.getLogger("ray.serve")
@@ -90,8 +90,20 @@ def sampling_params(request: GenerateRequest):
                           presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
                           repetition_penalty=sampling.repetition_penalty,
                           logit_bias=dict(sampling.logit_bias) or None, min_tokens=sampling.min_tokens,
-                          ignore_eos=request.ignore_eos,
+                          ignore_eos=request.ignore_eos, logprobs=request.logprobs,
+                          prompt_logprobs=request.prompt_logprobs,
                           stop_token_ids=list(request.stop_token_ids), detokenize=False)
+
+
+def token_logprobs(tokens, positions, most: int) -> list[TokenLogprobs]:
+    """vLLM's logprobs of these tokens (one {id: Logprob} per position, holding the `most`
+    likeliest by rank and the token itself) as the router's TokenLogprobs. Both are of the raw
+    distribution: vLLM's default logprobs_mode, raw_logprobs, is what the other engines return."""
+    entries = []
+    for token, position in zip(tokens, positions):
+        top = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in position.items() if entry.rank <= most)
+        entries.append(TokenLogprobs(token, position[token].logprob, tuple((t, lp) for _, t, lp in top)))
+    return entries
 
 
 def speculation_counters() -> dict[str, float]:
@@ -126,9 +138,10 @@ class VllmTargetPool:
         self.engine = AsyncLLM.from_engine_args(engine_args(spec, pool, max_seq_len, k))
         self.running = 0
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[int]]:
-        """The request's new token ids as vLLM produces them (each step: the accepted drafts
-        and one token of the target's). A caller that goes away aborts the request."""
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineStep]:
+        """The request's new tokens as vLLM produces them (each step: the accepted drafts and
+        one token of the target's), with their logprobs if asked. A caller that goes away
+        aborts the request."""
         sent = 0
         self.running += 1
         try:
@@ -136,10 +149,20 @@ class VllmTargetPool:
                                                      sampling_params(request), request.seq_id):
                 ids = output.outputs[0].token_ids
                 if len(ids) > sent:
-                    yield list(ids[sent:])
+                    yield self._step(request, output, sent)
                     sent = len(ids)
         finally:
             self.running -= 1
+
+    @staticmethod
+    def _step(request: GenerateRequest, output, sent: int) -> EngineStep:
+        new = list(output.outputs[0].token_ids[sent:])
+        logprobs = prompt = None
+        if request.logprobs is not None:
+            logprobs = token_logprobs(new, output.outputs[0].logprobs[sent:], request.logprobs)
+        if request.prompt_logprobs is not None and sent == 0:   # vLLM's first entry is None
+            prompt = token_logprobs(request.prompt_ids[1:], output.prompt_logprobs[1:], request.prompt_logprobs)
+        return EngineStep(new, logprobs, prompt)
 
     async def check_health(self) -> None:
         """Serve asks every few seconds: an engine that died (its process gone, or a step that

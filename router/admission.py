@@ -55,9 +55,11 @@ class Admission:
         """A Generation per choice, prompt by prompt, n each (the order of the choices' index)."""
         self._check_model(body.model)
         prompts = body.prompts()
-        self._check_choices(body.n, len(prompts))
+        samples = body.samples_per_prompt()
+        self._check_choices(samples, len(prompts), "best_of" if samples > body.n else "n")
         self._check_sizes(body, max(len(p) if isinstance(p, str) else 0 for p in prompts), "prompt")
-        self._check_logprobs(body.logprobs is not None, "logprobs")
+        # best_of ranks its samples by their tokens' logprobs: asked for or not, they are computed
+        ranked_logprobs = body.logprobs if body.logprobs is not None or samples == body.n else 0
         generations = []
         for prompt in prompts:
             if isinstance(prompt, str):
@@ -65,8 +67,9 @@ class Admission:
             else:
                 prompt_ids = list(self._token_ids(prompt, "prompt"))
             echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if body.echo else None
-            generations += self._generations(body, prompt_ids, body.max_tokens, "prompt", logprobs=body.logprobs,
-                                             prompt_logprobs=body.logprobs if body.echo else None, echo=echo)
+            generations += self._generations(body, prompt_ids, body.max_tokens, "prompt", logprobs=ranked_logprobs,
+                                             prompt_logprobs=body.logprobs if body.echo else None, echo=echo,
+                                             choices=samples)
         return generations
 
     def chat(self, body: ChatBody) -> list[Generation]:
@@ -80,7 +83,6 @@ class Admission:
             prompt = plain_chat_prompt(body.messages)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        self._check_logprobs(body.logprobs, "logprobs")
         return self._generations(body, prompt_ids, body.requested_max_tokens(), "messages", max_param,
                                  logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
@@ -88,16 +90,12 @@ class Admission:
         if name != self.config.server.model_name:
             raise model_not_found(name)
 
-    def _check_logprobs(self, wanted: bool, param: str) -> None:
-        if wanted and self.config.pools.target.engine == "vllm":
-            raise bad_request("logprobs are not served with the vLLM target engine yet", param)
-
-    def _check_choices(self, n: int, prompts: int) -> None:
+    def _check_choices(self, n: int, prompts: int, param: str = "n") -> None:
         most = self.config.limits.max_choices
         if n > most:
-            raise bad_request(f"n is at most {most} on this server.", "n")
+            raise bad_request(f"{param} is at most {most} on this server.", param)
         if n * prompts > most:
-            raise bad_request(f"{prompts} prompts of n={n} choices each are {n * prompts} choices; this "
+            raise bad_request(f"{prompts} prompts of {param}={n} choices each are {n * prompts} choices; this "
                               f"server gives at most {most} a request.", "prompt")
 
     def _token_ids(self, ids: list[int], param: str) -> tuple[int, ...]:
@@ -116,7 +114,8 @@ class Admission:
 
     def _generations(self, body: _GenerationBody, prompt_ids: list[int], max_tokens: int | None,
                      prompt_param: str, max_param: str = "max_tokens", logprobs: int | None = None,
-                     prompt_logprobs: int | None = None, echo: str | None = None) -> list[Generation]:
+                     prompt_logprobs: int | None = None, echo: str | None = None,
+                     choices: int | None = None) -> list[Generation]:
         limits = self.config.limits
         if not prompt_ids:
             raise bad_request("The prompt is empty.", prompt_param)
@@ -131,6 +130,9 @@ class Admission:
         stop_ids = self._token_ids(body.stop_token_ids or [], "stop_token_ids")
         bias = tuple((int(token), value) for token, value in (body.logit_bias or {}).items())
         self._token_ids([token for token, _ in bias], "logit_bias")
+        if bias and self.config.pools.target.engine == "vllm":
+            raise bad_request("logit_bias is not served with the vLLM target engine: vLLM 0.32 refuses it under "
+                              "speculative decoding.", "logit_bias")
         ends = set(stop_ids) | (set() if body.ignore_eos else self.eos_token_ids)
         sampling = _sampling(body, bias, tuple(sorted(ends)))
         seed = body.seed if body.seed is not None else secrets.randbits(63)
@@ -149,7 +151,7 @@ class Admission:
             prompt_logprobs=prompt_logprobs,
             echo=echo,
             **self._k(body),
-        ) for choice in range(body.n)]
+        ) for choice in range(choices or body.n)]
 
     def _k(self, body: _GenerationBody) -> dict:
         """k and whether to adapt it. A request may turn speculation off or fix k within the

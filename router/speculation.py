@@ -29,8 +29,8 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from replicas.direct_channel import ChannelBroken
-from replicas.protocol import (GenerateRequest, Proposal, ProposeRequest, RowError, TokenLogprobs, Verification,
-                               VerifyRequest)
+from replicas.protocol import (EngineStep, GenerateRequest, Proposal, ProposeRequest, RowError, TokenLogprobs,
+                               Verification, VerifyRequest)
 from replicas.sampling import SamplingParams
 from router.fallback import DraftAvailability
 from router.direct_routes import DirectRoutes
@@ -251,23 +251,24 @@ class SpeculationLoop:
             yield verdict.tokens, verdict
 
     async def _engine_rounds(self, seq_id: str, gen: Generation,
-                             stats: SpeculationStats) -> AsyncIterator[tuple[list[int], None]]:
-        """The target engine's stream of new token ids; each piece is one of its steps (its
-        accepted drafts and its own token), a piece late by more than the target's call
-        timeout fails the request. Leaving early aborts the request there."""
+                             stats: SpeculationStats) -> AsyncIterator[tuple[list[int], EngineStep]]:
+        """The target engine's stream of steps (each: its accepted drafts and its own token,
+        with their logprobs if asked); a step late by more than the target's call timeout
+        fails the request. Leaving early aborts the request there."""
         request = GenerateRequest(seq_id, list(gen.prompt_ids), gen.max_tokens, gen.sampling, gen.seed,
-                                  tuple(sorted(gen.ends_on(self.eos_token_ids))), gen.ignore_eos)
+                                  tuple(sorted(gen.ends_on(self.eos_token_ids))), gen.ignore_eos,
+                                  logprobs=gen.logprobs, prompt_logprobs=gen.prompt_logprobs)
         response = self.pools["target"].options(stream=True).generate.remote(request)
         try:
             while True:
                 started = time.perf_counter()
                 try:
-                    new_tokens = await asyncio.wait_for(response.__anext__(), self.timeouts.target_s)
+                    step = await asyncio.wait_for(response.__anext__(), self.timeouts.target_s)
                 except StopAsyncIteration:
                     return
                 stats.rounds += 1
                 stats.round_ms += (time.perf_counter() - started) * 1000
-                yield new_tokens, None
+                yield step.tokens, step
         finally:
             response.cancel()
 
@@ -498,7 +499,8 @@ class SpeculationLoop:
                 logger.warning("could not release caches of %s", seq_id, exc_info=True)
 
     @staticmethod
-    def _emit(new_tokens: list[int], progress: _Progress, gen: Generation, verdict: Verification | None) -> Delta:
+    def _emit(new_tokens: list[int], progress: _Progress, gen: Generation,
+              verdict: Verification | EngineStep | None) -> Delta:
         """Take the round's tokens one at a time until a stop token (EOS unless ignored, the
         request's stop ids; its text left out unless include_stop), a stop string or
         max_tokens. Before min_tokens are out nothing stops it (as in vLLM; the engines mask

@@ -16,6 +16,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -124,7 +125,10 @@ def test_a_request_is_one_draft_sequence_released_when_it_ends(vllm_app, prompts
     assert (after["cached_sequences"], after["active_sequences"]) == (0, 0)
 
 
-SAMPLED = {"plain": {"temperature": 1.0}, "warped": {"temperature": 0.8, "top_k": 6, "top_p": 0.9}}
+SAMPLED = {"plain": {"temperature": 1.0}, "warped": {"temperature": 0.8, "top_k": 6, "top_p": 0.9},
+           # passed through to vLLM's own penalties (replicas/vllm_target.py)
+           "penalised": {"temperature": 0.9, "frequency_penalty": 1.2, "presence_penalty": 0.4,
+                         "repetition_penalty": 1.2}}
 SAMPLES = 1200
 EOS = 0
 
@@ -142,7 +146,7 @@ def served_pairs(url: str, prompt: list[int], fields: dict) -> Counter:
 def exact_outcomes(prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
     """P(first two tokens | prompt) under the target alone (Hugging Face, nothing of vLLM's or
     specserve's serving code); a first token of EOS ends the completion there."""
-    model = AutoModelForCausalLM.from_pretrained(TARGET).eval()
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()   # the served dtype
     first = reference_probs(model(torch.tensor([prompt])).logits[0, -1].float(), params, prompt, len(prompt))
     firsts = [t for t in torch.nonzero(first).flatten().tolist() if t != EOS]
     seconds = model(torch.tensor([prompt + [t] for t in firsts])).logits[:, -1].float()
@@ -173,6 +177,32 @@ def test_sampled_output_keeps_the_targets_distribution(vllm_app, prompts, settin
     outcomes = sorted(exact)
     counts = torch.tensor([float(counted[o]) for o in outcomes])
     assert chi_square_p_value(counts, torch.tensor([exact[o] for o in outcomes])) > ALPHA
+
+
+def test_logit_bias_is_refused_naming_the_field(vllm_app, prompts):
+    """vLLM 0.32 refuses logit_bias under speculative decoding: a 400 at admission, not a 500."""
+    body = {"model": "specserve", "prompt": prompts[0], "max_tokens": 4, "logit_bias": {"3": 1.0}}
+    response = httpx.post(f"{vllm_app}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
+
+
+@torch.inference_mode()
+def test_logprobs_through_vllm_are_the_targets_raw_ones(vllm_app, prompts):
+    """vLLM computes the logprobs (its default raw_logprobs); served with echo they equal a
+    plain Hugging Face forward of the target over prompt + output, top-N most likely first."""
+    prompt = prompts[0]
+    choice = complete(vllm_app, prompt, max_tokens=12, logprobs=3, echo=True)["choices"][0]
+    ids = prompt + choice["token_ids"]
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()   # the served dtype
+    rows = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["token_logprobs"]) == len(ids) and logprobs["token_logprobs"][0] is None
+    expected = rows.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(logprobs["token_logprobs"][1:]), expected, atol=1e-3)
+    for row, top in zip(rows[len(prompt) - 1:], logprobs["top_logprobs"][len(prompt):]):
+        values = list(top.values())
+        assert len(top) >= 3 and values[:3] == sorted(values[:3], reverse=True)
+        assert abs(values[0] - float(row.max())) < 1e-3
 
 
 def test_seeded_requests_whose_prompts_fill_more_than_a_step_all_complete(vllm_app, prompts, vllm_alone):
