@@ -32,7 +32,7 @@ def build_app(config: ClusterConfig) -> Application:
     draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(
         config.models.draft, pools.draft, config.limits.context_length, channel_key)
     if pools.target.engine == "vllm":
-        from replicas.vllm_target import VllmTargetPool   # imports vLLM only where the replica runs
+        from replicas.engines.vllm.target import VllmTargetPool   # imports vLLM only where the replica runs
 
         target = VllmTargetPool.options(**_model_pool_options(pools.target),
                                         health_check_period_s=VLLM_HEALTH_CHECK_PERIOD_S).bind(
@@ -57,10 +57,10 @@ def build_app(config: ClusterConfig) -> Application:
 def _model_pool_options(pool: DraftPoolConfig | TargetPoolConfig) -> dict:
     """A model pool's Serve options. A replica of tp_size shards reserves them together: one
     placement group bundle per shard, STRICT_PACK so that all are on one node; the replica
-    (rank 0) runs in bundle 0 and starts the other shards in bundles 1.. (replicas/shard_group.py)."""
+    (rank 0) runs in bundle 0 and starts the other shards in bundles 1.. (replicas/engines/huggingface/shard_group.py)."""
     actor = pool.resources.ray_actor_options()
     if pool.engine == "vllm" and pool.tp_size > 1:
-        # vLLM's own workers hold the shards' GPUs (replicas/vllm_target.py): the replica
+        # vLLM's own workers hold the shards' GPUs (replicas/engines/vllm/target.py): the replica
         # in bundle 0 keeps its CPUs and leaves that bundle's GPU to its worker.
         actor["num_gpus"] = 0
     options = {**_replica_count(pool, pool_autoscaling), "max_ongoing_requests": pool.max_ongoing_requests,

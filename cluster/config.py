@@ -184,7 +184,7 @@ class VllmOptions(Strict):
 class TargetPoolConfig(_ModelPoolConfig):
     engine: Literal["huggingface", "vllm"] = Field(
         "huggingface", description="What runs the target: transformers (replicas/engines), or vLLM, which runs the "
-                                   "rounds itself with drafts from the draft pool (replicas/vllm_target.py; "
+                                   "rounds itself with drafts from the draft pool (replicas/engines/vllm/target.py; "
                                    "needs the specserve[vllm] extra on the target's nodes).")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="Used with engine: vllm.")
     batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)

@@ -31,10 +31,9 @@ from ray import serve
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.batcher import Batcher
 from replicas.direct_channel import ChannelServer
-from replicas.engines import build_engine
+from replicas.engines import EngineBroken, build_engine
 from replicas.metrics import GAUGE_REFRESH_S, PoolMetrics, refresh_every
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
-from replicas.shard_group import ShardGroupBroken
 
 logger = logging.getLogger("ray.serve")
 _BROKEN_EXIT_CODE = 70
@@ -72,10 +71,10 @@ class _ModelReplica:
     async def _on_worker(self, fn, *args):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
-        except ShardGroupBroken:
+        except EngineBroken:
             # The replica is beyond repair: end it, so that Serve replaces it whole and the
             # router retries the calls that were in flight on the replacement.
-            logger.exception("the %s replica's shard group broke; exiting so that it is replaced", self.role)
+            logger.exception("the %s replica's engine broke; exiting so that it is replaced", self.role)
             os._exit(_BROKEN_EXIT_CODE)
 
     async def _submit_all(self, requests: list) -> list:

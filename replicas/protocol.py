@@ -72,7 +72,7 @@ class Verification:
 @dataclass(frozen=True)
 class GenerateRequest:
     """A whole generation, for a target engine that runs its own rounds (vLLM,
-    replicas/vllm_target.py): it streams new token ids."""
+    replicas/engines/vllm/target.py): it streams new token ids."""
     seq_id: str
     prompt_ids: list[int]
     max_tokens: int

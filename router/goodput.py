@@ -16,7 +16,7 @@ Terms, for the rounds of this router's sequences:
 - the prior's T(k): a round's time, c(k) + k * d(R) + v(R, k + 1), where v(R, N) is the
   target's forward pass over R sequences of N new positions each and d(R) one draft step
   over R sequences, a + b * R * N fitted (least squares) to the cost profiles the replicas
-  measure at start (replicas/engines/huggingface.py), and c(k) the measured coordination
+  measure at start (replicas/engines/huggingface/engine.py), and c(k) the measured coordination
   per round (handle hops, batch windows, queueing), with a draft hop or without. Its
   argmax over k of E(k) / T(k) is where a load level met for the first time starts; on a
   shared CPU it is wrong in both directions (docs/BENCHMARKS.md), so nothing else uses it.

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoConfig, GenerationConfig
 
 from cluster.config import ClusterConfig
-from replicas.loading import load_tokenizer
+from replicas.engines.huggingface.loading import load_tokenizer
 from replicas.protocol import RowError, TokenLogprobs
 from router.admission import Admission
 from router.auth import ApiKeys

@@ -186,7 +186,7 @@ class SpeculationLoop:
                  control: KController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
                  channel_key: bytes | None = None, engine_rounds: bool = False):
         """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
-        draft pool on its own, replicas/vllm_target.py): a request streams from it."""
+        draft pool on its own, replicas/engines/vllm/target.py): a request streams from it."""
         self.engine_rounds = engine_rounds
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here

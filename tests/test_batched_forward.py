@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from replicas.model_runner import ExtendCall, ModelRunner
+from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 from training.tiny_models import tiny_llama
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from replicas.loading import load_tokenizer
+from replicas.engines.huggingface.loading import load_tokenizer
 from router.routing import lane_count, lane_of
 from tests.conftest import MAX_TOKENS, PROMPTS, cluster_config, deploy
 from tests.test_cache_release import wait_for_empty_caches
@@ -70,7 +70,7 @@ def test_request_survives_killing_the_replica_that_holds_its_cache(ray_serve, zo
         # Asked of every replica, not only the one this driver's handle routes the lane to: its
         # view of the replicas may differ from the router's for a moment (seen once in 6 runs).
         # Asked again while none answers: during a forward pass the batch's sequences are out of
-        # the cache's index until it commits (replicas/kv_cache.py), and this one's target is
+        # the cache's index until it commits (replicas/engines/huggingface/kv_cache.py), and this one's target is
         # in one most of the time (seen once in 3 full runs).
         holders: list[dict] = []
         for _ in range(30):

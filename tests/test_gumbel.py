@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicas.engines import DraftEngine, TargetEngine
+from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.gumbel import exponential_noise, gumbel_choices, hash32
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams

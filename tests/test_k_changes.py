@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from replicas.loading import load_tokenizer
+from replicas.engines.huggingface.loading import load_tokenizer
 from replicas.sampling import GREEDY, SamplingParams
 from router.k_control import Arm, KController
 from router.speculation import Generation, PoolTimeouts, SpeculationLoop, SpeculationStats

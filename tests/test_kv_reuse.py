@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicas.engines import DraftEngine, TargetEngine
-from replicas.kv_cache import KVCacheStore
-from replicas.model_runner import ExtendCall, ModelRunner, common_prefix_length
+from replicas.engines.huggingface import DraftEngine, TargetEngine
+from replicas.engines.huggingface.kv_cache import KVCacheStore
+from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner, common_prefix_length
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY, SamplingParams
 from training.tiny_models import perturbed_copy, tiny_llama

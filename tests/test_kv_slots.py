@@ -8,9 +8,9 @@ import random
 
 import torch
 
-from replicas.kv_cache import KVCacheStore, tolerated_span
-from replicas.kv_storage import BatchWindow, layout_rows
-from replicas.model_runner import ExtendCall, ModelRunner
+from replicas.engines.huggingface.kv_cache import KVCacheStore, tolerated_span
+from replicas.engines.huggingface.kv_storage import BatchWindow, layout_rows
+from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 from training.tiny_models import tiny_llama
 
 VOCAB = 64

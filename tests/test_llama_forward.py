@@ -1,4 +1,4 @@
-"""The lean Llama forward (replicas/llama_forward.py) computes bitwise what transformers'
+"""The lean Llama forward (replicas/engines/huggingface/llama_forward.py) computes bitwise what transformers'
 modules compute, on the bundled pair and on grouped-query attention in both of its paths
 (one query position, several), and anything it does not support runs through the modules."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from replicas.llama_forward import LlamaForward
-from replicas.loading import load_causal_lm
-from replicas.model_runner import ExtendCall, ModelRunner
+from replicas.engines.huggingface.llama_forward import LlamaForward
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 from cluster.config import ModelSpec
 
 

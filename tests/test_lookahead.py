@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import router.lookahead as lookahead
-from replicas.engines import DraftEngine, TargetEngine
+from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.protocol import Proposal, ProposeRequest, Verification, VerifyRequest
 from router.speculation import round_seed
 from tests.conftest import PROMPTS

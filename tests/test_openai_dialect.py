@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster.config import ModelSpec
-from replicas.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
 
 MODEL = "specserve"
 EOS = 0

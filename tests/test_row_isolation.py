@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from replicas.engines import DraftEngine, TargetEngine
+from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.protocol import ProposeRequest, RowError, VerifyRequest
 from replicas.sampling import (GREEDY, SAMPLING_EPS, NonFiniteDistribution, SamplingParams, make_generator,
                                sample, warped_probs)

@@ -19,8 +19,8 @@ import torch
 import replicas.logits_processing as processing
 import replicas.speculative as speculative
 from cluster.config import ModelSpec
-from replicas.engines import DraftEngine, TargetEngine
-from replicas.shard_group import launch_local
+from replicas.engines.huggingface import DraftEngine, TargetEngine
+from replicas.engines.huggingface.shard_group import launch_local
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
 from training.tiny_models import tiny_llama

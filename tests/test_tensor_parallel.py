@@ -14,9 +14,9 @@ import torch
 from ray import serve
 
 from cluster.config import ModelSpec
-from replicas.loading import load_causal_lm
-from replicas.model_runner import ExtendCall, ModelRunner
-from replicas.shard_group import launch_local
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
+from replicas.engines.huggingface.shard_group import launch_local
 from tests.conftest import PROMPTS, cluster_config, deploy
 from tests.http_client import complete, reassemble, stream_chunks
 

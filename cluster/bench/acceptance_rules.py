@@ -4,7 +4,7 @@
 
 - huggingface engine: the draft x is sampled from the draft's q and kept with min(1, p(x)/q(x)),
   so a position keeps its draft with probability sum_x min(p(x), q(x)) (1 - total variation).
-- vLLM engine (replicas/vllm_proposer.py): the draft is q's argmax, sent without q, and vLLM
+- vLLM engine (replicas/engines/vllm/proposer.py): the draft is q's argmax, sent without q, and vLLM
   keeps it with p(x) (a one-hot q).
 - seeded requests on the huggingface engine (replicas/gumbel.py): the draft is q's Gumbel-max
   choice under the position's public noise, kept when it equals p's choice under the same
@@ -45,7 +45,7 @@ def keep_rates(target, draft, prompts: list[list[int]], temperature: float, nois
 
 def main(argv: list[str] | None = None) -> int:
     from cluster.config import ModelSpec
-    from replicas.loading import load_causal_lm, load_tokenizer
+    from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
     from training.corpus import held_out_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

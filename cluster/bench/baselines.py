@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from cluster.config import ModelSpec
-from replicas.loading import load_causal_lm
+from replicas.engines.huggingface.loading import load_causal_lm
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The engine alone, against the memory-bandwidth floor and a plain transformers forward: what
-one forward pass of the serving engine (replicas/model_runner.py) costs on this machine.
+one forward pass of the serving engine (replicas/engines/huggingface/model_runner.py) costs on this machine.
 
     python -m cluster.bench.engine --random-llama 8b --device cuda --dtype bfloat16 \\
         --sequences 1 8 32 --positions 1 5 --context 512
@@ -99,7 +99,7 @@ def plain_forward_ms(model, sequences: int, positions: int, context: int, repeat
 def engine_ms(model, sequences: int, positions: int, context: int, repeats: int, device) -> float:
     """The engine's extend_batch of the same shapes: `positions` recomputed per sequence over
     its cached context (the call keeps the cache, so every run has the same shape)."""
-    from replicas.model_runner import ExtendCall, ModelRunner
+    from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 
     length = context + positions
     runner = ModelRunner(model, max_cached_tokens=sequences * length, max_seq_len=length)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         model = random_llama(args.random_llama, device, dtype)
     else:
         from cluster.config import ModelSpec
-        from replicas.loading import load_causal_lm
+        from replicas.engines.huggingface.loading import load_causal_lm
 
         model = load_causal_lm(ModelSpec(path=args.model.resolve(), dtype=args.dtype), device=device)
     report = measure(model, device, args.sequences, args.positions, args.context, args.repeats)

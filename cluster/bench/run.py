@@ -95,7 +95,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
     from cluster.bench.vllm_compare import compare, vllm_python
     from cluster.bench.load import Workload, closed_loop, open_loop
     from training.corpus import held_out_prompts
-    from replicas.loading import load_tokenizer
+    from replicas.engines.huggingface.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.models.target.path)
     k = args.k or config.speculation.k

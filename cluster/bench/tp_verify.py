@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from cluster.config import ModelSpec
-from replicas.model_runner import ExtendCall
+from replicas.engines.huggingface.model_runner import ExtendCall
 
 
 def verify_ms(runner, batch: int, k: int, context: int, repeats: int) -> float:
@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args(argv)
 
-    from replicas.loading import load_causal_lm
-    from replicas.model_runner import ModelRunner
-    from replicas.shard_group import launch_local
+    from replicas.engines.huggingface.loading import load_causal_lm
+    from replicas.engines.huggingface.model_runner import ModelRunner
+    from replicas.engines.huggingface.shard_group import launch_local
 
     spec = ModelSpec(path=args.model.resolve())
     single = ModelRunner(load_causal_lm(spec), max_cached_tokens=1 << 20)

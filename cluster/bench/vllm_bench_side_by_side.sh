@@ -20,7 +20,7 @@ printf "{%% for m in messages %%}{{ m['role'] }}: {{ m['content'] }}\n{%% endfor
 .venv/bin/python - "$OUT/code.jsonl" "$PROMPTS" <<'PY'
 import json, sys
 from pathlib import Path
-from replicas.loading import load_tokenizer
+from replicas.engines.huggingface.loading import load_tokenizer
 from training.corpus import held_out_prompts
 tokenizer = load_tokenizer(Path("models/target"))
 with open(sys.argv[1], "w") as f:

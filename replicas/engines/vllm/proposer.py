@@ -16,7 +16,7 @@ draft's own q).
 The proposer never raises into the engine (an exception there ends vLLM): a draft pool that is
 slow, missing or broken means no drafts for that step. It reaches the draft replicas over
 their direct channels (replicas/direct_channel.py); the target replica that started vLLM
-(replicas/vllm_target.py) writes their addresses to the file named by SPECSERVE_DRAFT_ROUTES
+(replicas/engines/vllm/target.py) writes their addresses to the file named by SPECSERVE_DRAFT_ROUTES
 and refreshes it while it runs, and puts the channel key in SPECSERVE_CHANNEL_KEY (hex) before
 vLLM starts its workers. vLLM passes no request ids here, so the proposer names the rows itself
 (SequenceNames): a row whose context extends a sequence's context of the last step continues
@@ -40,7 +40,7 @@ import uuid
 
 import numpy as np
 
-from replicas import vllm_cpu_fixes
+from replicas.engines.vllm import cpu_fixes
 from replicas.direct_channel import ChannelClient
 from replicas.protocol import Proposal, ProposeRequest
 from replicas.sampling import GREEDY
@@ -53,7 +53,7 @@ _IDLE_S = 1.0              # no step for this long: vLLM has no running requests
 
 class RemoteDraftProposer:
     def __init__(self, vllm_config):
-        vllm_cpu_fixes.install()     # built in each worker before its first step: in time
+        cpu_fixes.install()     # built in each worker before its first step: in time
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len

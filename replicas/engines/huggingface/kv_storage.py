@@ -1,7 +1,7 @@
 """A replica's keys and values, preallocated, and the window of it one forward pass uses.
 
 Per layer the storage holds keys and values as [slots + 1, kv_heads, max_seq_len, head_dim]
-(slot 0 is scratch, replicas/kv_cache.py says which sequence owns which slot). A batched
+(slot 0 is scratch, replicas/engines/huggingface/kv_cache.py says which sequence owns which slot). A batched
 forward pass runs over the adjacent slots lo..hi that hold its rows (R = hi - lo + 1 rows,
 some of them holes: slots of sequences not in this batch, fed dummy tokens). Each layer
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.kv_cache import SCRATCH_SLOT, SlotMove
+from replicas.engines.huggingface.kv_cache import SCRATCH_SLOT, SlotMove
 
 
 class SlotStorage:

@@ -2,7 +2,7 @@
 AsyncLLM, whose speculative proposals come from specserve's separate draft pool.
 
 With this engine a request's rounds run inside vLLM: its scheduler batches the running
-requests continuously, its worker asks the `custom_class` proposer (replicas/vllm_proposer.py)
+requests continuously, its worker asks the `custom_class` proposer (replicas/engines/vllm/proposer.py)
 for k drafts per request each step, verifies them in one forward pass and applies its
 rejection sampler. The router streams the tokens (`generate`) and does the rest as for any
 engine: admission, stop strings, text, limits, the OpenAI protocol.
@@ -12,7 +12,7 @@ draft pool, through handles with each lane's session id (router/routing.py), for
 direct-channel addresses, and writes them to a file the proposer rereads. A draft replica
 that dies or is replaced costs the steps until then their drafts, never an answer.
 
-Only this module, replicas/vllm_proposer.py and replicas/vllm_cpu_fixes.py know vLLM, and
+Only this module, replicas/engines/vllm/proposer.py and replicas/engines/vllm/cpu_fixes.py know vLLM, and
 only this one is imported by the application: vLLM is the optional extra `specserve[vllm]`.
 """
 
@@ -30,11 +30,11 @@ from ray import serve
 
 from cluster.config import ModelSpec, TargetPoolConfig
 from replicas.protocol import EngineStep, GenerateRequest, TokenLogprobs
-from replicas.vllm_proposer import KEY_ENV, ROUTES_ENV, TIMEOUT_ENV
+from replicas.engines.vllm.proposer import KEY_ENV, ROUTES_ENV, TIMEOUT_ENV
 
 logger = logging.getLogger("ray.serve")
 ROUTES_TTL_S = 2.0
-PROPOSER = "replicas.vllm_proposer.RemoteDraftProposer"
+PROPOSER = "replicas.engines.vllm.proposer.RemoteDraftProposer"
 
 
 def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: int):

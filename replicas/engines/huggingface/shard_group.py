@@ -3,7 +3,7 @@
 Rank 0 lives in the serving replica and is the only rank anything calls; ranks 1..N-1 are
 followers. Rank 0 broadcasts each command (extend a batch, release a sequence) over a gloo
 group, then every rank runs it on its own ModelRunner, which holds that shard's weights and
-its heads' KV caches (replicas/tensor_parallel.py). The sharded forward's all-reduces keep the
+its heads' KV caches (replicas/engines/huggingface/tensor_parallel.py). The sharded forward's all-reduces keep the
 ranks in lock step, and after each command a one-number all-reduce (how many ranks failed)
 tells rank 0 that every rank ended it the same way. So all shards hold the same sequences
 and evict the same ones: batched verify and eviction work as in one process.
@@ -33,9 +33,10 @@ import torch
 import torch.distributed as dist
 
 from cluster.config import ModelSpec
-from replicas.loading import load_causal_lm, pick_device
-from replicas.model_runner import ExtendCall, Extension, ModelRunner
-from replicas.tensor_parallel import shard_model
+from replicas.engines.protocol import EngineBroken
+from replicas.engines.huggingface.loading import load_causal_lm, pick_device
+from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
+from replicas.engines.huggingface.tensor_parallel import shard_model
 
 logger = logging.getLogger("ray.serve")
 # Followers wait for rank 0's next command in a collective: an idle replica must not time
@@ -44,7 +45,7 @@ _COLLECTIVE_TIMEOUT = timedelta(days=7)
 _LOAD_TIMEOUT_S = 600.0
 
 
-class ShardGroupBroken(RuntimeError):
+class ShardGroupBroken(EngineBroken):
     """A shard died or the shards disagree: the replica cannot go on and must be replaced."""
 
 

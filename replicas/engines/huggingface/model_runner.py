@@ -5,7 +5,7 @@ runner reuses the longest common prefix of what it holds and what it is asked fo
 computes the rest. A replica that never saw the sequence, or evicted it, computes more and
 returns the same logits.
 
-Caches live in preallocated slots (replicas/kv_cache.py, replicas/kv_storage.py): a
+Caches live in preallocated slots (replicas/engines/huggingface/kv_cache.py, replicas/engines/huggingface/kv_storage.py): a
 sequence's keys and values stay where its forward passes wrote them, and a batch reads them
 in place. The calls of one `extend_batch` run as one forward pass (or a few, see
 `_padding_groups`) over the window of adjacent slots that holds their rows:
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from replicas.kv_cache import KVCacheStore
-from replicas.kv_storage import BatchWindow, SlotStorage, layout_rows
-from replicas.llama_forward import LlamaForward
+from replicas.engines.huggingface.kv_cache import KVCacheStore
+from replicas.engines.huggingface.kv_storage import BatchWindow, SlotStorage, layout_rows
+from replicas.engines.huggingface.llama_forward import LlamaForward
 
 # Rows are grouped so that padded new positions are at most this multiple of the real ones:
 # one long prompt must not make every short verify in its batch pay for its length.

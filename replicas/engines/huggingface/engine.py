@@ -2,7 +2,7 @@
 them. Both take the calls of many sequences at once and run them as batched forward passes
 on a runner that keeps the sequences' KV caches, so a sequence they hold costs only its new
 positions. The runner is a ModelRunner (one process) or a ShardedRunner (a tensor-parallel
-group, replicas/shard_group.py): the same calls, the same logits.
+group, replicas/engines/huggingface/shard_group.py): the same calls, the same logits.
 
 A failure in one sequence's row (its sampling, its numerics) becomes a RowError in that
 sequence's place of the results; the batch's other rows are answered as usual.
@@ -17,10 +17,10 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from replicas.kv_cache import KVCacheStore
+from replicas.engines.huggingface.kv_cache import KVCacheStore
 from replicas.logits_processing import adjusted_logits
 from replicas.logprobs import token_logprobs
-from replicas.model_runner import ExtendCall, Extension, ModelRunner
+from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.gumbel import gumbel_choices
 from replicas.sampling import (NonFiniteDistribution, check_finite, make_generator, sample, sampleable,

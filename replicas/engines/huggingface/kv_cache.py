@@ -1,6 +1,6 @@
 """Which sequence's keys and values live in which slot of a replica's KV storage.
 
-The storage (replicas/kv_storage.py) is preallocated per layer as `slots` of `max_seq_len`
+The storage (replicas/engines/huggingface/kv_storage.py) is preallocated per layer as `slots` of `max_seq_len`
 positions; a sequence's cached keys and values sit in one slot at positions 0..len-1, where
 a batched forward pass reads them in place and writes its new positions next to them.
 Slot 0 is scratch: a forward pass writes its padding there, so no sequence's slot ever

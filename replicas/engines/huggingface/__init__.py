@@ -1,0 +1,31 @@
+"""The Hugging Face engine: transformers' weights (loading.py) through a lean Llama forward
+(llama_forward.py) over preallocated KV slots (kv_cache.py, kv_storage.py), driven by a model
+runner (model_runner.py), one process or a tensor-parallel group of shards (tensor_parallel.py,
+shard_group.py), with the Proposer and Verifier on top (engine.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
+from replicas.engines.huggingface.engine import DraftEngine, Runner, TargetEngine
+
+__all__ = ["DraftEngine", "TargetEngine", "build"]
+
+
+def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig,
+          max_seq_len: int) -> DraftEngine | TargetEngine:
+    runner = _runner(spec, pool, max_seq_len)
+    return DraftEngine(runner) if role == "draft" else TargetEngine(runner)
+
+
+def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int) -> Runner:
+    if pool.tp_size == 1:
+        from replicas.engines.huggingface.loading import load_causal_lm
+        from replicas.engines.huggingface.model_runner import ModelRunner
+
+        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len)
+    from replicas.engines.huggingface.shard_group import launch_in_placement_group
+
+    return launch_in_placement_group(spec, pool.kv_cache.max_tokens, max_seq_len, pool.tp_size,
+                                     pool.resources.ray_actor_options())
