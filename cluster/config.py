@@ -38,6 +38,11 @@ class ModelSpec(Strict):
         "float32", description="Weights and activations dtype on the replica.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' takes a GPU when the replica was given one, else the CPU.")
+    compile: Literal["off", "on"] = Field(
+        "off", description="'on' runs each layer's arithmetic torch.compile'd (inductor; the Hugging Face engine in "
+                           "one process), compiled for each shape class at replica start and cached on disk by "
+                           "inductor; it falls back to eager with a warning where compiling fails or cannot apply "
+                           "(a tensor-parallel target).")
     placeholder: Literal["target", "draft"] | None = Field(
         None, description="If the folder is missing, build an UNTRAINED random placeholder model of "
                           "this role there (for a first start before real weights exist).")

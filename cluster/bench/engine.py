@@ -96,13 +96,15 @@ def plain_forward_ms(model, sequences: int, positions: int, context: int, repeat
 
 
 @torch.inference_mode()
-def engine_ms(model, sequences: int, positions: int, context: int, repeats: int, device) -> float:
+def engine_ms(model, sequences: int, positions: int, context: int, repeats: int, device,
+              compiled: bool = False) -> float:
     """The engine's extend_batch of the same shapes: `positions` recomputed per sequence over
-    its cached context (the call keeps the cache, so every run has the same shape)."""
+    its cached context (the call keeps the cache, so every run has the same shape); compiled:
+    with the compiled layers (compiled once per process, so only the first call pays)."""
     from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 
     length = context + positions
-    runner = ModelRunner(model, max_cached_tokens=sequences * length, max_seq_len=length)
+    runner = ModelRunner(model, max_cached_tokens=sequences * length, max_seq_len=length, compiled=compiled)
     vocab = model.config.vocab_size
     calls = [ExtendCall(f"s{b}", torch.randint(1, vocab, (context + positions,)).tolist(), positions)
              for b in range(sequences)]
@@ -120,7 +122,7 @@ def weight_bytes(model) -> int:
 
 
 def measure(model, device: torch.device, sequences: list[int], positions: list[int], context: int,
-            repeats: int) -> dict:
+            repeats: int, compiled: bool = False) -> dict:
     bandwidth = copy_bandwidth(device)
     floor_ms = weight_bytes(model) / bandwidth * 1000
     rows = []
@@ -128,9 +130,12 @@ def measure(model, device: torch.device, sequences: list[int], positions: list[i
         for new in positions:
             plain = plain_forward_ms(model, count, new, context, repeats, device)
             engine = engine_ms(model, count, new, context, repeats, device)
-            rows.append({"sequences": count, "positions": new, "plain_ms": plain, "engine_ms": engine,
-                         "engine_over_plain": round(engine / plain, 3),
-                         "plain_over_floor": round(plain / floor_ms, 3)})
+            row = {"sequences": count, "positions": new, "plain_ms": plain, "engine_ms": engine,
+                   "engine_over_plain": round(engine / plain, 3), "plain_over_floor": round(plain / floor_ms, 3)}
+            if compiled:
+                row["compiled_ms"] = engine_ms(model, count, new, context, repeats, device, compiled=True)
+                row["eager_over_compiled"] = round(engine / row["compiled_ms"], 3)
+            rows.append(row)
     return {"device": str(device), "dtype": str(next(model.parameters()).dtype),
             "weight_bytes": weight_bytes(model), "copy_bandwidth_bytes_s": round(bandwidth),
             "weight_gb": round(weight_bytes(model) / 1e9, 3), "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the engine with its layers compiled (models.*.compile: on)")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_llama:
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         from replicas.engines.huggingface.loading import load_causal_lm
 
         model = load_causal_lm(ModelSpec(path=args.model.resolve(), dtype=args.dtype), device=device)
-    report = measure(model, device, args.sequences, args.positions, args.context, args.repeats)
+    report = measure(model, device, args.sequences, args.positions, args.context, args.repeats, args.compile)
     report["model"] = args.random_llama or str(args.model)
     print(json.dumps(report, indent=2))
     return 0

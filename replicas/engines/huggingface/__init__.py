@@ -5,12 +5,15 @@ shard_group.py), with the Proposer and Verifier on top (engine.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.engines.huggingface.engine import DraftEngine, Runner, TargetEngine
 
 __all__ = ["DraftEngine", "TargetEngine", "build"]
+
+logger = logging.getLogger("ray.serve")
 
 
 def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig,
@@ -24,8 +27,12 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
         from replicas.engines.huggingface.loading import load_causal_lm
         from replicas.engines.huggingface.model_runner import ModelRunner
 
-        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len)
+        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len, compiled=spec.compile == "on")
     from replicas.engines.huggingface.shard_group import launch_in_placement_group
+
+    if spec.compile == "on":
+        logger.warning("compile: on does not apply to a tensor-parallel group (its linears all-reduce in hooks); "
+                       "the shards run eager")
 
     return launch_in_placement_group(spec, pool.kv_cache.max_tokens, max_seq_len, pool.tp_size,
                                      pool.resources.ray_actor_options())

@@ -43,9 +43,10 @@ class _Engine:
         self.runner = runner
 
     @classmethod
-    def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None):
+    def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
+                 compiled: bool = False):
         """The engine over one in-process model (tests, offline measurement)."""
-        return cls(ModelRunner(model, max_cached_tokens, max_seq_len))
+        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled))
 
     def release(self, seq_id: str) -> None:
         self.runner.release(seq_id)
@@ -54,6 +55,7 @@ class _Engine:
         caches = self.runner.caches
         shards = getattr(self.runner, "shards", None)
         return {"engine": "huggingface", "tp_size": len(shards) if shards else 1,
+                "compile_s": getattr(self.runner, "compile_s", None),
                 "shards": [vars(s) for s in shards] if shards else None,
                 "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,

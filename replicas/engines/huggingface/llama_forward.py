@@ -37,13 +37,21 @@ from replicas.engines.huggingface.kv_storage import BatchWindow
 
 class LlamaForward:
     """Runs `model`'s decoder: input ids [R, N], RoPE positions [R, N] and a bool attention mask
-    [R, 1, N, L] over the cache window -> final hidden states [R, N, hidden]."""
+    [R, 1, N, L] over the cache window -> final hidden states [R, N, hidden].
 
-    def __init__(self, model: nn.Module):
+    compiled: each layer's arithmetic before and after its cache write runs as two
+    torch.compile'd functions of tensors (inductor, dynamic shapes), shared by every layer,
+    since the weights are arguments; the cache write and the window stay eager, in place in
+    the preallocated slots. Not bitwise eager's: fused kernels round differently."""
+
+    def __init__(self, model: nn.Module, compiled: bool = False):
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama decoder")
         self.decoder = model.get_decoder()
         self.layers = [_Layer(layer) for layer in self.decoder.layers]
+        if compiled and any(layer.hooked for layer in self.layers):
+            raise ValueError("a tensor-parallel shard's linears all-reduce in hooks: it runs eager")
+        self.steps = _compiled_steps() if compiled else (_inputs, None)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -61,44 +69,92 @@ class LlamaForward:
         cos, sin = self.decoder.rotary_emb(hidden, positions)                      # [R, N, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, mask, window, index)
-        return _rms_norm(hidden, self.decoder.norm)
+            hidden = layer(hidden, cos, sin, mask, window, index, *self.steps)
+        return _rms_norm(hidden, *_norm(self.decoder.norm))
 
 
 class _Layer:
     def __init__(self, layer: LlamaDecoderLayer):
         attention, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_attention_norm = layer.input_layernorm, layer.post_attention_layernorm
-        self.q, self.k, self.v, self.o = (_linear(attention.q_proj), _linear(attention.k_proj),
-                                          _linear(attention.v_proj), _linear(attention.o_proj))
-        self.gate, self.up, self.down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+        self.input_norm, self.post_attention_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.q, self.k, self.v = _weights(attention.q_proj), _weights(attention.k_proj), _weights(attention.v_proj)
+        self.gate, self.up = _weights(mlp.gate_proj), _weights(mlp.up_proj)
+        self.o, self.down = _weights(attention.o_proj), _weights(mlp.down_proj)
+        # a tensor-parallel shard all-reduces these two outputs in forward hooks: called as modules
+        self.o_module, self.down_module = _linear(attention.o_proj), _linear(mlp.down_proj)
+        self.hooked = attention.o_proj._forward_hooks or mlp.down_proj._forward_hooks
         self.head_dim, self.scaling, self.groups = attention.head_dim, attention.scaling, attention.num_key_value_groups
 
-    def __call__(self, hidden, cos, sin, mask, window: BatchWindow, index: int) -> torch.Tensor:
-        rows, width = hidden.shape[:2]
-        shape = (rows, width, -1, self.head_dim)
-        normed = _rms_norm(hidden, self.input_norm)
-        query = self.q(normed).view(shape).transpose(1, 2)                         # [R, H, N, D]
-        key = self.k(normed).view(shape).transpose(1, 2)                           # [R, KVH, N, D]
-        value = self.v(normed).view(shape).transpose(1, 2)
-        query, key = query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def __call__(self, hidden, cos, sin, mask, window: BatchWindow, index: int, inputs, fused_rest) -> torch.Tensor:
+        query, key, value = inputs(hidden, cos, sin, self.input_norm, self.q, self.k, self.v, self.head_dim)
         key, value = window.update(key, value, index)                              # [R, KVH, L, D]
-        attended = self._attention(query, key, value, mask, width)                 # [R, N, H * D]
-        hidden = hidden + self.o(attended)
-        normed = _rms_norm(hidden, self.post_attention_norm)
-        return hidden + self.down(F.silu(self.gate(normed)) * self.up(normed))
+        if fused_rest is not None:
+            return fused_rest(hidden, query, key, value, mask, self.o, self.post_attention_norm, self.gate,
+                              self.up, self.down, self.scaling, self.groups, self.head_dim)
+        attended = _attention(query, key, value, mask, self.scaling, self.groups, self.head_dim)  # [R, N, H * D]
+        hidden = hidden + self.o_module(attended)
+        hidden, activation = _mlp_input(hidden, self.post_attention_norm, self.gate, self.up)
+        return hidden + self.down_module(activation)
 
-    def _attention(self, query, key, value, mask, width: int) -> torch.Tensor:
-        """transformers' SDPA path with an explicit mask: one query position folds its grouped
-        heads into the query axis; more positions repeat the key/value heads."""
-        rows = query.shape[0]
-        if self.groups > 1 and width == 1:
-            query = query.reshape(rows, query.shape[1] // self.groups, self.groups, self.head_dim)
-        elif self.groups > 1:
-            key, value = _repeat_heads(key, self.groups), _repeat_heads(value, self.groups)
-        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0, scale=self.scaling)
-        output = output.reshape(rows, -1, width, self.head_dim).transpose(1, 2).contiguous()
-        return output.reshape(rows, width, -1).contiguous()
+
+# Each a function of tensors (weights as (weight, bias) pairs, norms as (weight, eps)), so one
+# compiled graph serves every layer.
+
+def _inputs(hidden, cos, sin, norm, q, k, v, head_dim: int):
+    """-> query [R, H, N, D], key and value [R, KVH, N, D], RoPE applied to query and key."""
+    rows, width = hidden.shape[:2]
+    shape = (rows, width, -1, head_dim)
+    normed = _rms_norm(hidden, *norm)
+    query = F.linear(normed, *q).view(shape).transpose(1, 2)
+    key = F.linear(normed, *k).view(shape).transpose(1, 2)
+    value = F.linear(normed, *v).view(shape).transpose(1, 2)
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin, value
+
+
+def _attention(query, key, value, mask, scaling: float, groups: int, head_dim: int) -> torch.Tensor:
+    """transformers' SDPA path with an explicit mask: one query position folds its grouped
+    heads into the query axis; more positions repeat the key/value heads. -> [R, N, H * D]"""
+    rows, width = query.shape[0], query.shape[2]
+    if groups > 1 and width == 1:
+        query = query.reshape(rows, query.shape[1] // groups, groups, head_dim)
+    elif groups > 1:
+        key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling)
+    output = output.reshape(rows, -1, width, head_dim).transpose(1, 2).contiguous()
+    return output.reshape(rows, width, -1).contiguous()
+
+
+def _mlp_input(hidden, norm, gate, up):
+    """-> (hidden, silu(m Wgate) * (m Wup)) with m = rms_norm(hidden)."""
+    normed = _rms_norm(hidden, *norm)
+    return hidden, F.silu(F.linear(normed, *gate)) * F.linear(normed, *up)
+
+
+def _fused_rest(hidden, query, key, value, mask, o, norm, gate, up, down, scaling: float, groups: int,
+                head_dim: int) -> torch.Tensor:
+    """The layer after its cache write, without hooks: attention, Wo, residual, the MLP."""
+    hidden = hidden + F.linear(_attention(query, key, value, mask, scaling, groups, head_dim), *o)
+    hidden, activation = _mlp_input(hidden, norm, gate, up)
+    return hidden + F.linear(activation, *down)
+
+
+def _compiled_steps():
+    """(inputs, fused_rest) compiled once per process: every LlamaForward shares them, and
+    inductor's caches (in memory, and on disk across restarts) hold each shape class's code."""
+    if not _COMPILED:
+        _COMPILED.extend([torch.compile(_inputs, dynamic=True), torch.compile(_fused_rest, dynamic=True)])
+    return tuple(_COMPILED)
+
+
+_COMPILED: list = []   # the two compiled functions, once made
+
+
+def _weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return module.weight, module.bias
+
+
+def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.variance_epsilon
 
 
 def _linear(module: nn.Linear):
@@ -107,10 +163,10 @@ def _linear(module: nn.Linear):
     return lambda x: F.linear(x, module.weight, module.bias)
 
 
-def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     as_float = hidden.to(torch.float32)
     variance = as_float.pow(2).mean(-1, keepdim=True)
-    return norm.weight * (as_float * torch.rsqrt(variance + norm.variance_epsilon)).to(hidden.dtype)
+    return weight * (as_float * torch.rsqrt(variance + eps)).to(hidden.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

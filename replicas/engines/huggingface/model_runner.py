@@ -21,6 +21,8 @@ device: the engines take from them only what the acceptance rule needs.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,8 @@ from transformers import PreTrainedModel
 from replicas.engines.huggingface.kv_cache import KVCacheStore
 from replicas.engines.huggingface.kv_storage import BatchWindow, SlotStorage, layout_rows
 from replicas.engines.huggingface.llama_forward import LlamaForward
+
+logger = logging.getLogger("ray.serve")
 
 # Rows are grouped so that padded new positions are at most this multiple of the real ones:
 # one long prompt must not make every short verify in its batch pay for its length.
@@ -62,9 +66,11 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
-                 lean: bool = True):
+                 lean: bool = True, compiled: bool = False):
         """lean: run a plain Llama decoder through LlamaForward (the same arithmetic with far
-        less Python per call); other models, or lean=False, run through their own modules."""
+        less Python per call); other models, or lean=False, run through their own modules.
+        compiled: LlamaForward's layers compiled (llama_forward.py), each shape class compiled
+        here, before the first call; where that fails, eager with a warning."""
         _check_plain_output_layer(model.config)
         self.model = model
         self.decoder = LlamaForward(model) if lean and LlamaForward.supports(model) else self._module_decoder
@@ -74,6 +80,37 @@ class ModelRunner:
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         self.caches = KVCacheStore(max_cached_tokens, self.max_seq_len)
         self.storage = SlotStorage(self.max_seq_len)
+        self.compile_s: float | None = None      # how long compiling took, where it ran
+        if compiled:
+            self._compile()
+
+    def _compile(self) -> None:
+        if not self.lean:
+            logger.warning("compile: on: %s is not a plain Llama decoder; it runs eager", type(self.model).__name__)
+            return
+        started = time.perf_counter()
+        eager, self.decoder = self.decoder, LlamaForward(self.model, compiled=True)
+        try:
+            self.warm_up()
+        except Exception:  # noqa: BLE001 - any compiler failure: eager computes the same thing
+            logger.warning("compile: on: compiling failed; this replica runs eager", exc_info=True)
+            self.decoder = eager
+            self.caches.clear()
+            return
+        self.compile_s = time.perf_counter() - started
+        logger.info("compiled the forward's shape classes in %.1f s", self.compile_s)
+
+    def warm_up(self) -> None:
+        """One forward pass of each shape class the compiler tells apart (one row or several,
+        one new position or several), so that none is compiled during a client's request;
+        its caches are released after."""
+        warm = [[f"warm-up-{rows}-{r}" for r in range(rows)] for rows in (1, 2)]
+        for seq_ids in warm:
+            for length in (3, 4):       # a prefill of 3 positions, then one new position on top
+                self.extend_batch([ExtendCall(seq_id, [self.pad_id] * length, 1) for seq_id in seq_ids])
+        for seq_ids in warm:
+            for seq_id in seq_ids:
+                self.release(seq_id)
 
     def extend(self, seq_id: str, tokens: list[int], num_logits: int) -> Extension:
         """Make seq_id's cache cover `tokens`; return logits of its last num_logits positions.
