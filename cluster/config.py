@@ -43,6 +43,10 @@ class ModelSpec(Strict):
                            "one process), compiled for each shape class at replica start and cached on disk by "
                            "inductor; it falls back to eager with a warning where compiling fails or cannot apply "
                            "(a tensor-parallel target).")
+    compile_cache_dir: Path | None = Field(
+        None, strict=False, description="Folder of inductor's on-disk cache of compiled code (relative to "
+                                        "cluster.yaml), kept across restarts; default inductor's own "
+                                        "(/tmp/torchinductor_$USER).")
     placeholder: Literal["target", "draft"] | None = Field(
         None, description="If the folder is missing, build an UNTRAINED random placeholder model of "
                           "this role there (for a first start before real weights exist).")
@@ -331,8 +335,9 @@ def _describe(error: dict[str, Any]) -> str:
 
 def _resolve_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
     def resolved(spec: ModelSpec) -> ModelSpec:
-        path = spec.path if spec.path.is_absolute() else (base / spec.path)
-        return spec.model_copy(update={"path": path.resolve()})
+        cache = spec.compile_cache_dir
+        return spec.model_copy(update={"path": (base / spec.path).resolve(),
+                                       "compile_cache_dir": (base / cache).resolve() if cache else None})
 
     models = ModelsConfig(target=resolved(config.models.target), draft=resolved(config.models.draft))
     keys_file = config.server.api_keys_file

@@ -6,6 +6,7 @@ shard_group.py), with the Proposer and Verifier on top (engine.py)."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Literal
 
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
@@ -25,6 +26,9 @@ def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConf
 def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int) -> Runner:
     if pool.tp_size == 1:
         from replicas.engines.huggingface.loading import load_causal_lm
+
+        if spec.compile == "on" and spec.compile_cache_dir is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(spec.compile_cache_dir)   # read when inductor writes
         from replicas.engines.huggingface.model_runner import ModelRunner
 
         return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len, compiled=spec.compile == "on")
