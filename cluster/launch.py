@@ -46,6 +46,10 @@ def deploy(config: ClusterConfig) -> str:
     from cluster.app import APP_NAME, build_app
 
     _check_placement(config)
+    compiled = [role for role in ("target", "draft") if getattr(config.models, role).compile == "on"]
+    if compiled:
+        print(f"  compiling the {' and '.join(compiled)} forward at replica start (models.*.compile: on; "
+              "a minute or more per model, less with inductor's cache warm)", flush=True)
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     # Not blocking: the app serves once the router and the target pool run; the draft pool is
     # optional (requests fall back to the target alone), so it must not hold up the start.
