@@ -9,8 +9,7 @@ GUIDELLM=${GUIDELLM:-guidellm}
 VLLM_PYTHON=${VLLM_PYTHON:-/tmp/vllm-venv/bin/python}
 OUT=${OUT:-/tmp/gl}
 mkdir -p "$OUT"
-# specserve's plain chat template (router/admission.py), for vLLM's chat endpoint
-printf "{%% for m in messages %%}{{ m['role'] }}: {{ m['content'] }}\n{%% endfor %%}assistant:" > "$OUT/plain.jinja"
+source "$(dirname "$0")/side_by_side.sh"
 
 run_guidellm() {  # $1 base URL, $2 label
   for fmt in completions chat; do
@@ -24,19 +23,10 @@ run_guidellm() {  # $1 base URL, $2 label
   done
 }
 
-.venv/bin/ray stop --force > /dev/null 2>&1
-.venv/bin/specserve up > "$OUT/specserve-up.log" 2>&1 &
-up=$!
-for _ in $(seq 120); do grep -q "specserve is up" "$OUT/specserve-up.log" && break; sleep 2; done
+start_specserve
 run_guidellm http://127.0.0.1:8000 specserve
-kill "$up"; sleep 5; .venv/bin/ray stop --force > /dev/null 2>&1
+stop_specserve
 
-HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
-  --model models/target --served-model-name specserve --port 8100 --max-model-len 512 \
-  --chat-template "$OUT/plain.jinja" \
-  --speculative-config '{"model": "models/draft", "num_speculative_tokens": 4, "method": "draft_model"}' \
-  > "$OUT/vllm.log" 2>&1 &
-vllm=$!
-for _ in $(seq 150); do curl -s http://127.0.0.1:8100/v1/models > /dev/null 2>&1 && break; sleep 2; done
+start_vllm
 run_guidellm http://127.0.0.1:8100 vllm
-kill "$vllm"
+stop_vllm

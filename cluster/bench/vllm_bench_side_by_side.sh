@@ -13,8 +13,7 @@ OUT=${OUT:-/tmp/vbs}
 PROMPTS=${PROMPTS:-16}
 CASES=${CASES:-random-completions random-chat code-completions}
 mkdir -p "$OUT"
-# specserve's plain chat template (router/admission.py), for vLLM's chat endpoint
-printf "{%% for m in messages %%}{{ m['role'] }}: {{ m['content'] }}\n{%% endfor %%}assistant:" > "$OUT/plain.jinja"
+source "$(dirname "$0")/side_by_side.sh"
 # vllm bench serve's `custom` dataset: one {"prompt": ...} per line, here 128-token windows of
 # held-out files that end at a line start
 .venv/bin/python - "$OUT/code.jsonl" "$PROMPTS" <<'PY'
@@ -54,23 +53,14 @@ bench() {  # $1 base URL, $2 server label
   done
 }
 
-.venv/bin/ray stop --force > /dev/null 2>&1
-.venv/bin/specserve up > "$OUT/specserve-up.log" 2>&1 &
-up=$!
-for _ in $(seq 120); do grep -q "specserve is up" "$OUT/specserve-up.log" && break; sleep 2; done
+start_specserve
 bench http://127.0.0.1:8000 specserve
 .venv/bin/specserve status > "$OUT/specserve-status.txt" 2>&1
-kill "$up"; sleep 5; .venv/bin/ray stop --force > /dev/null 2>&1
+stop_specserve
 
-HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server \
-  --model models/target --served-model-name specserve --port 8100 --max-model-len 512 \
-  --chat-template "$OUT/plain.jinja" \
-  --speculative-config '{"model": "models/draft", "num_speculative_tokens": 4, "method": "draft_model"}' \
-  > "$OUT/vllm.log" 2>&1 &
-vllm=$!
-for _ in $(seq 150); do curl -s http://127.0.0.1:8100/v1/models > /dev/null 2>&1 && break; sleep 2; done
+start_vllm
 bench http://127.0.0.1:8100 vllm
-kill "$vllm"
+stop_vllm
 
 # One markdown table of what vllm bench serve saved for each server, case and concurrency
 .venv/bin/python - "$OUT" $CASES <<'PY'
