@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster.bench.chi_square import chi_square_p_value
 from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.gumbel import exponential_noise, gumbel_choices, hash32
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
 from router.speculation import round_seed
 from tests.test_logits_processing import reference_probs
-from tests.test_sampling_exactness import (ALPHA, PROMPT, chi_square_p_value, exact_joint, pair,  # noqa: F401
+from tests.test_sampling_exactness import (ALPHA, PROMPT, exact_joint, pair,  # noqa: F401
                                           speculative_pairs)
 
 WARPED = SamplingParams(temperature=0.8, top_k=6, top_p=0.9)

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import router.lookahead as lookahead
+from cluster.bench.chi_square import chi_square_p_value
 from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.protocol import Proposal, ProposeRequest, Verification, VerifyRequest
 from router.speculation import round_seed
 from tests.conftest import PROMPTS
 from tests.http_client import complete
-from tests.test_sampling_exactness import ALPHA, PROMPT, SETTINGS, VOCAB, chi_square_p_value
+from tests.test_sampling_exactness import ALPHA, PROMPT, SETTINGS, VOCAB
 from training.tiny_models import tiny_llama
 
 SAMPLES = 3200

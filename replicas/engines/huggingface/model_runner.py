@@ -101,12 +101,12 @@ class ModelRunner:
         logger.info("compiled the forward's shape classes in %.1f s", self.compile_s)
 
     def warm_up(self) -> None:
-        """One forward pass of each shape class the compiler tells apart (one row or several,
-        one new position or several), so that none is compiled during a client's request;
-        its caches are released after."""
+        """A forward pass of each shape class the compiler tells apart in serving (one row or
+        several; a prefill, one new position on a cache, several on a cache as a verify), so
+        that none is compiled during a client's request; its caches are released after."""
         warm = [[f"warm-up-{rows}-{r}" for r in range(rows)] for rows in (1, 2)]
         for seq_ids in warm:
-            for length in (3, 4):       # a prefill of 3 positions, then one new position on top
+            for length in (3, 4, 7):    # a prefill of 3 positions, 1 new position on top, then 3
                 self.extend_batch([ExtendCall(seq_id, [self.pad_id] * length, 1) for seq_id in seq_ids])
         for seq_ids in warm:
             for seq_id in seq_ids:
