@@ -9,14 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster.bench.gpu_check import GREEDY_PROMPTS as PROMPTS, greedy_alone, speculate
 from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
-from replicas.protocol import ProposeRequest, VerifyRequest
-from replicas.sampling import GREEDY
 from training.tiny_models import perturbed_copy, tiny_llama
 
 VOCAB = 64
-PROMPTS = [list(range(5, 25)), [3, 9, 4, 11, 2, 8], list(range(40, 12, -1))]
 MAX_TOKENS = 24
 
 
@@ -54,22 +52,6 @@ def test_the_compiled_forward_gives_the_eager_logits(models, layout):
             assert torch.allclose(got.logits, want.logits, atol=1e-4), (got.logits - want.logits).abs().max()
 
 
-def greedy_alone(target, prompt: list[int]) -> list[int]:
-    out = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    return out[:out.index(0) + 1] if 0 in out else out
-
-
-def speculate(drafter: DraftEngine, verifier: TargetEngine, prompt: list[int], k: int, seq_id: str) -> list[int]:
-    tokens = list(prompt)
-    while len(tokens) - len(prompt) < MAX_TOKENS and (len(tokens) == len(prompt) or tokens[-1] != 0):
-        [proposal] = drafter.propose([ProposeRequest(seq_id, tokens, k, GREEDY, seed=0)])
-        [verdict] = verifier.verify([VerifyRequest(seq_id, tokens, proposal.tokens, None, GREEDY, 0)])
-        tokens += verdict.tokens
-    out = tokens[len(prompt):len(prompt) + MAX_TOKENS]
-    return out[:out.index(0) + 1] if 0 in out else out
-
-
 @pytest.mark.parametrize("regime", ["copy", "perturbed", "unrelated"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_speculation_on_compiled_engines_equals_the_target_alone(models, regime, k):
@@ -77,4 +59,5 @@ def test_greedy_speculation_on_compiled_engines_equals_the_target_alone(models, 
     drafter = DraftEngine.on_model(models[regime], max_cached_tokens=4000, max_seq_len=128, compiled=True)
     assert verifier.describe()["compile_s"] is not None and drafter.describe()["compile_s"] is not None
     for i, prompt in enumerate(PROMPTS):
-        assert speculate(drafter, verifier, prompt, k, f"s{i}") == greedy_alone(models["target"], prompt)
+        assert (speculate(drafter, verifier, prompt, k, f"s{i}", MAX_TOKENS)
+                == greedy_alone(models["target"], prompt, MAX_TOKENS))

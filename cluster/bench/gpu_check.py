@@ -50,26 +50,37 @@ def engines(target, draft, compiled: bool):
             TargetEngine.on_model(target, max_cached_tokens=4000, max_seq_len=128, compiled=compiled))
 
 
-def greedy_matches(device: torch.device, compiled: bool, max_tokens: int = 32) -> dict:
-    """Greedy speculation against the target alone, for k 1, 3, 5, on three prompts."""
+def greedy_alone(target, prompt: list[int], max_tokens: int) -> list[int]:
+    """Hugging Face's greedy generate() of the target alone, up to EOS."""
+    out = target.generate(torch.tensor([prompt], device=target.device), max_new_tokens=max_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    return out[:out.index(0) + 1] if 0 in out else out
+
+
+def speculate(drafter, verifier, prompt: list[int], k: int, seq_id: str, max_tokens: int) -> list[int]:
+    """Greedy speculative rounds on the engines, up to EOS or max_tokens."""
     from replicas.protocol import ProposeRequest, VerifyRequest
     from replicas.sampling import GREEDY
 
+    tokens = list(prompt)
+    while len(tokens) - len(prompt) < max_tokens and (len(tokens) == len(prompt) or tokens[-1] != 0):
+        [proposal] = drafter.propose([ProposeRequest(seq_id, tokens, k, GREEDY, seed=0)])
+        [verdict] = verifier.verify([VerifyRequest(seq_id, tokens, proposal.tokens, None, GREEDY, 0)])
+        tokens += verdict.tokens
+    out = tokens[len(prompt):len(prompt) + max_tokens]
+    return out[:out.index(0) + 1] if 0 in out else out
+
+
+GREEDY_PROMPTS = [list(range(5, 25)), [3, 9, 4, 11, 2, 8], list(range(40, 12, -1))]
+
+
+def greedy_matches(device: torch.device, compiled: bool, max_tokens: int = 32) -> dict:
+    """Greedy speculation against the target alone, for k 1, 3, 5, on three prompts."""
     target, draft = tiny_pair(device, 64, seed=3)
     drafter, verifier = engines(target, draft, compiled)
-    prompts = [list(range(5, 25)), [3, 9, 4, 11, 2, 8], list(range(40, 12, -1))]
-    mismatches = []
-    for k in (1, 3, 5):
-        for i, prompt in enumerate(prompts):
-            alone = target.generate(torch.tensor([prompt], device=device), max_new_tokens=max_tokens, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            tokens = list(prompt)
-            while len(tokens) - len(prompt) < max_tokens:
-                [proposal] = drafter.propose([ProposeRequest(f"k{k}-{i}", tokens, k, GREEDY, seed=0)])
-                [verdict] = verifier.verify([VerifyRequest(f"k{k}-{i}", tokens, proposal.tokens, None, GREEDY, 0)])
-                tokens += verdict.tokens
-            if tokens[len(prompt):len(prompt) + max_tokens] != alone:
-                mismatches.append({"k": k, "prompt": i})
+    mismatches = [{"k": k, "prompt": i} for k in (1, 3, 5) for i, prompt in enumerate(GREEDY_PROMPTS)
+                  if speculate(drafter, verifier, prompt, k, f"k{k}-{i}", max_tokens)
+                  != greedy_alone(target, prompt, max_tokens)]
     return {"ok": not mismatches, "mismatches": mismatches, "compile_s": verifier.describe()["compile_s"]}
 
 

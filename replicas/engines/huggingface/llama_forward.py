@@ -108,8 +108,14 @@ def _inputs(hidden, cos, sin, norm, q, k, v, head_dim: int):
     query = F.linear(normed, *q).view(shape).transpose(1, 2)
     key = F.linear(normed, *k).view(shape).transpose(1, 2)
     value = F.linear(normed, *v).view(shape).transpose(1, 2)
-    query = (query * cos + _rotate_half(query) * sin).contiguous()   # one layout for any shape: no stride guard
-    return query, key * cos + _rotate_half(key) * sin, value
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin, value
+
+
+def _inputs_for_compiled(hidden, cos, sin, norm, q, k, v, head_dim: int):
+    """_inputs with the query contiguous: one layout for any shape, so the compiled rest of the
+    layer is not recompiled for each stride pattern of a transposed view (eager skips the copy)."""
+    query, key, value = _inputs(hidden, cos, sin, norm, q, k, v, head_dim)
+    return query.contiguous(), key, value
 
 
 def _attention(query, key, value, mask, scaling: float, groups: int, head_dim: int) -> torch.Tensor:
@@ -147,7 +153,7 @@ def _compiled_steps():
         # shape classes, the rarer ones (a window reaching the slot's end) and several models
         # in one process (tests) must stay within it.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        _COMPILED.extend([torch.compile(_inputs, dynamic=True), torch.compile(_fused_rest, dynamic=True)])
+        _COMPILED.extend([torch.compile(_inputs_for_compiled, dynamic=True), torch.compile(_fused_rest, dynamic=True)])
     return tuple(_COMPILED)
 
 

@@ -84,12 +84,13 @@ def sampling_params(request: GenerateRequest):
 
     sampling = request.sampling
     # The router ends the request on EOS, stop ids and stop strings; vLLM stops on the ids it is
-    # given (none under ignore_eos) and applies the penalties, bias and min_tokens mask itself.
+    # given (none under ignore_eos) and applies the penalties and min_tokens mask itself. No
+    # logit_bias: admission refuses it for this engine (vLLM 0.32 rejects it under speculation).
     return SamplingParams(max_tokens=request.max_tokens, temperature=sampling.temperature,
                           top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=request.seed,
                           presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
                           repetition_penalty=sampling.repetition_penalty,
-                          logit_bias=dict(sampling.logit_bias) or None, min_tokens=sampling.min_tokens,
+                          min_tokens=sampling.min_tokens,
                           ignore_eos=request.ignore_eos, logprobs=request.logprobs,
                           prompt_logprobs=request.prompt_logprobs,
                           stop_token_ids=list(request.stop_token_ids), detokenize=False)
