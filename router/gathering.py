@@ -26,7 +26,9 @@ from typing import Any, Awaitable, Callable
 
 # send(pool, lane, requests) -> one result per request, in order
 Send = Callable[[str, str, list], Awaitable[list]]
-_LINGER_S = 0.002
+# How long a lane waits, once none of its sequences is between calls, for the other answers of
+# a replica batch that is partly back (they reach the router as separate calls).
+DEFAULT_LINGER_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,11 @@ class _Lane:
 
 
 class CallGatherer:
-    def __init__(self, send: Send, wait_s: float, abandoned: Callable[[str, str, str], None] = lambda *_: None):
+    def __init__(self, send: Send, wait_s: float, abandoned: Callable[[str, str, str], None] = lambda *_: None,
+                 linger_s: float = DEFAULT_LINGER_S):
         self.send = send
         self.wait_s = wait_s
+        self.linger_s = linger_s
         # abandoned(pool, lane, seq_id): an answer came for a sequence that went away meanwhile;
         # the replica may have rebuilt its cache after the sequence's release.
         self.abandoned = abandoned
@@ -81,8 +85,8 @@ class CallGatherer:
         elif state.in_flight and not lingered:
             # The answers of one replica batch come back as separate calls, a moment apart:
             # going now would split the batch's sequences into groups for good.
-            if state.timer is None or state.timer.when() > asyncio.get_running_loop().time() + _LINGER_S:
-                self._set_timer(lane, _LINGER_S, lambda lane: self._flush_if_ready(lane, lingered=True))
+            if state.timer is None or state.timer.when() > asyncio.get_running_loop().time() + self.linger_s:
+                self._set_timer(lane, self.linger_s, lambda lane: self._flush_if_ready(lane, lingered=True))
         else:
             self._flush(lane)
 

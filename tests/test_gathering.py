@@ -144,7 +144,8 @@ def test_a_finished_sequence_is_not_waited_for():
 
 def test_answers_of_one_replica_batch_that_come_back_apart_go_out_together_again():
     # The replica answered both draft calls from one forward pass, but its answers reach the
-    # router as two calls 1 ms apart: the next round still makes one call for all four.
+    # router as two calls 1 ms apart: the next round still makes one call for all four. The
+    # linger is far longer than the gap, so a slow machine's scheduling cannot split them.
     sizes: dict[str, list[int]] = {"draft": [], "target": []}
     both_arrived = asyncio.Event()
 
@@ -158,7 +159,7 @@ def test_answers_of_one_replica_batch_that_come_back_apart_go_out_together_again
         return [r * 10 for r in requests]
 
     async def scenario():
-        gatherer = _begun(CallGatherer(send, wait_s=5.0), "a", "b", "c")
+        gatherer = _begun(CallGatherer(send, wait_s=5.0, linger_s=0.5), "a", "b", "c")
         group = [asyncio.create_task(_sequence(gatherer, name, rounds=1)) for name in "abc"]
         await asyncio.sleep(0)                      # their draft call is out
         await asyncio.wait_for(asyncio.gather(*group, _sequence(gatherer, "d", rounds=1, start_s=1e-4)), 5)
