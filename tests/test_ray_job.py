@@ -59,9 +59,11 @@ def head(tmp_path_factory):
     finally:
         process.send_signal(signal.SIGINT)           # `ray start --block` stops what it started
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=10)
         except subprocess.TimeoutExpired:
+            # With Serve's replicas running it takes a minute: the head's session is this Ray's alone
             os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -134,10 +134,11 @@ def sharded_verifier(pair, tmp_path_factory):
     runner.close()
 
 
-@pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_sampling_on_the_tensor_parallel_engine_matches_target_distribution(pair, sharded_verifier, setting):
+def test_sampling_on_the_tensor_parallel_engine_matches_target_distribution(pair, sharded_verifier):
+    # One setting: the shards' logits equal the unsharded ones (tests/test_tensor_parallel.py)
+    # and the warped settings run the same rule above; this is the sharded engine end to end.
     target, draft = pair
-    params = SETTINGS[setting]
+    params = SETTINGS["plain"]
     counts = speculative_pairs(target, draft, params, seed=2, verifier=sharded_verifier)
     assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
 
