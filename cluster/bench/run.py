@@ -168,9 +168,10 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         "efficiency_vs_ideal": {str(e["concurrency"]): e["efficiency_vs_ideal"] for e in closed},
         "speedups_by_mode": {str(e["concurrency"]): e["speedups"] for e in closed},
         "noise": {str(e["concurrency"]): e["noise"] for e in closed},
-        "vs_vllm_serve": {str(e["concurrency"]): e["vs_vllm_serve"] for e in closed if "vs_vllm_serve" in e},
         "hf_assisted_speedup": report["hf_assisted"].get("speedup") if isinstance(report["hf_assisted"], dict) else None,
     }
+    if vllm_urls:
+        report["summary"]["vs_vllm_serve"] = {str(e["concurrency"]): e["vs_vllm_serve"] for e in closed}
     _print(report)
     return report
 
