@@ -7,7 +7,8 @@ Modes, in every load phase: `adaptive` (the server chooses k, when its config ad
 `speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
 off), where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
 on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
-fixed); at every concurrency also every k of --sweep-k, fixed. Every phase runs
+fixed), with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI server on the
+same pair, speculating and alone: cluster/bench/vllm_server.py); at every concurrency also every k of --sweep-k, fixed. Every phase runs
 max(--num-requests, 2 x concurrency) requests; with --repeats N each mode runs N times, in turn with the others, and the report
 gives each mode's mean and the run's noise: the largest spread between repeats of one mode,
 relative to its mean. Without --url it starts the cluster of --config itself.

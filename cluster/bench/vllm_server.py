@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -72,7 +73,7 @@ def _stop(process: subprocess.Popen) -> None:
         try:
             process.wait(timeout=_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
 
 
