@@ -24,6 +24,11 @@ def vllm_python(explicit: str | None) -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
+def vllm_environment() -> dict[str, str]:
+    """This process's environment for a Python of vLLM's venv: nothing of this venv may leak into it."""
+    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
 def compare(python: str | None, target: Path, draft: Path, prompts: list[list[int]], max_tokens: int,
             k: int, concurrency: list[int]) -> dict | str:
     if python is None:
@@ -55,8 +60,7 @@ def _run(python: str, mode: str, target: Path, draft: Path, prompts_file: str, m
     command = [python, str(BASELINE_SCRIPT), "--target", str(target), "--draft", str(draft),
                "--prompts", prompts_file, "--max-tokens", str(max_tokens), "--k", str(k), "--mode", mode,
                "--concurrency", *map(str, concurrency)]
-    # Its own environment: nothing of this venv may leak into vLLM's.
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = vllm_environment()
     done = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT_S, env=env)
     for line in done.stdout.splitlines():
         if line.startswith("VLLM_REPORT "):

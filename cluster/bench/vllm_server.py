@@ -24,6 +24,8 @@ from typing import Iterator
 
 import httpx
 
+from cluster.bench.vllm_compare import vllm_environment
+
 SERVED_NAME = "specserve-pair"
 _READY_TIMEOUT_S = 600
 _STOP_TIMEOUT_S = 30
@@ -47,9 +49,7 @@ def server_command(python: str, target: Path, draft: Path | None, k: int, port: 
 
 
 def _environment() -> dict:
-    # vLLM's venv is its own: nothing of this one may leak into it
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return {**env, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
+    return {**vllm_environment(), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
 
 
 def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
