@@ -198,6 +198,10 @@ class TargetPoolConfig(_ModelPoolConfig):
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="Used with engine: vllm.")
     batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
+    decode_steps: int = Field(
+        4, ge=1, le=64, description="Single-token steps one target call runs for a round without drafts (the "
+                                    "target alone, k = 0, or drafts that failed): fewer hops per token; such "
+                                    "tokens stream in groups of up to this many. 1: a call per token.")
     call_timeout_s: float = Field(
         60.0, gt=0, description="A verify call unanswered after this, retries on other (or replaced) "
                                 "replicas included, fails its requests (504): there is no output "

@@ -47,6 +47,10 @@ class VerifyRequest:
     prompt_len: int = 0               # tokens[:prompt_len] is the prompt (penalties count the output after it)
     logprobs: int | None = None       # the emitted tokens' logprobs, with this many of the most likely
     prompt_logprobs: int | None = None   # and those of tokens[1:] (a first call's: its prompt)
+    steps: int = 1                    # forward passes the call may run: after the window, up to steps - 1
+                                      # single-token steps, each on the token before (the target alone's
+                                      # next tokens), ending early after a token of stop_ids
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,8 @@ class TokenLogprobs:
 @dataclass(frozen=True)
 class Verification:
     accepted: int              # leading drafts kept
-    tokens: list[int]          # accepted drafts + one recovered or bonus token
+    tokens: list[int]          # accepted drafts + one recovered or bonus token (+ the tokens of the
+                               # call's further single-token steps, VerifyRequest.steps)
     positions_fed: int         # positions the target model computed for this sequence
     batch_rows: int            # sequences in the forward pass that verified it
     model_ms: float            # wall time of the replica's batched verify

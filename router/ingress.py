@@ -161,7 +161,8 @@ class Router:
                                     KController(spec.min_k, spec.max_k, spec.k, spec.overlap),
                                     lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics,
                                     channel_key if pools.router.direct_calls else None,
-                                    engine_rounds=pools.target.engine == "vllm")
+                                    engine_rounds=pools.target.engine == "vllm",
+                                    decode_steps=pools.target.decode_steps)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")

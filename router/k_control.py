@@ -447,14 +447,16 @@ class KController:
         return arm.overlap if self.overlap_auto else self.default_overlap
 
     def observe(self, level: int, drafted: int, accepted: int, round_ms: float, model_ms: float,
-                in_flight: int, adaptive: bool, whole: bool, now: float | None = None) -> None:
-        """A finished round at `level` that verified `drafted` drafts; `whole` is false where
+                in_flight: int, adaptive: bool, whole: bool, now: float | None = None,
+                tokens: int | None = None) -> None:
+        """A finished round at `level` that verified `drafted` drafts and yielded `tokens`
+        (accepted + 1 unless its call ran further single-token steps); `whole` is false where
         the request's end cut its k short (it counts what it yielded, not E(k))."""
         if drafted:
             self.keep.observe(drafted, accepted)
         self.prior.observe(bool(drafted), round_ms, model_ms)
-        self.climb(level).observe(drafted, whole, accepted + 1, round_ms, adaptive, in_flight,
-                                  time.monotonic() if now is None else now)
+        self.climb(level).observe(drafted, whole, accepted + 1 if tokens is None else tokens, round_ms, adaptive,
+                                  in_flight, time.monotonic() if now is None else now)
 
     def _start_for(self, level: int) -> Arm:
         """A level's first arm: the choice of the nearest level known, one step down the

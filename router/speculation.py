@@ -184,10 +184,12 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
                  control: KController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
-                 channel_key: bytes | None = None, engine_rounds: bool = False):
+                 channel_key: bytes | None = None, engine_rounds: bool = False, decode_steps: int = 1):
         """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
-        draft pool on its own, replicas/engines/vllm/target.py): a request streams from it."""
+        draft pool on its own, replicas/engines/vllm/target.py): a request streams from it.
+        decode_steps: single-token steps one target call runs for a round without drafts."""
         self.engine_rounds = engine_rounds
+        self.decode_steps = decode_steps
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
@@ -294,7 +296,8 @@ class SpeculationLoop:
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
             noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids), logprobs=gen.logprobs,
-            prompt_logprobs=gen.prompt_logprobs if stats.rounds == 0 else None)))
+            prompt_logprobs=gen.prompt_logprobs if stats.rounds == 0 else None,
+            steps=self._plain_steps(drafts, cap, stats.rounds), stop_ids=tuple(gen.ends_on(self.eos_token_ids)))))
         if overlap and drafts:
             stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
                                                  lookahead_size(k, cap - len(drafts) - 1), gen, stats.rounds)
@@ -317,8 +320,16 @@ class SpeculationLoop:
         stats.round_ms += round_ms
         stats.retried_calls = self._retries[seq_id]
         self.control.observe(level, len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
-                             adaptive=gen.adaptive, whole=whole)
+                             adaptive=gen.adaptive, whole=whole, tokens=len(verdict.tokens))
         return verdict
+
+    def _plain_steps(self, drafts: list[int], cap: int, round_index: int) -> int:
+        """Forward passes a round without drafts asks the target for (VerifyRequest.steps):
+        up to decode_steps, within the tokens left; one for the first round, so that the
+        first token is not held back."""
+        if drafts or round_index == 0:
+            return 1
+        return max(1, min(self.decode_steps, cap + 1))
 
     def _arm(self, gen: Generation, cap: int, level: int) -> tuple[Arm, bool]:
         """This round's k and overlap: the request's, or the router's measured choice at this

@@ -138,3 +138,25 @@ def test_greedy_with_penalties_and_bias_equals_the_target_alone(apps, reference,
         got = complete(apps[regime], prompt, speculation={"k": k}, **fields)["choices"][0]["token_ids"]
         assert got == want["tokens"][:len(got)]
         assert len(got) == MAX_TOKENS or got[-1] == 0                # or it ended on EOS (id 0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_the_target_alone_stops_exactly_where_asked(apps, reference, stream):
+    """Its rounds run several steps per target call (pools.target.decode_steps): the output
+    still ends exactly at max_tokens, and at a stop string inside one call's tokens."""
+    call = stream_complete if stream else complete
+    prompt = PROMPTS[1]
+    want = reference[prompt]
+    alone = {"enabled": False}
+    whole = call(apps["copy"], prompt, max_tokens=MAX_TOKENS, speculation=alone)
+    assert whole["choices"][0]["token_ids"] == want["token_ids"]
+    assert whole["speculation"]["rounds"] < whole["usage"]["completion_tokens"]   # calls of several steps
+    for max_tokens in (1, 2, 3, 5, 6, 9):
+        got = call(apps["copy"], prompt, max_tokens=max_tokens, speculation=alone)
+        assert got["choices"][0]["token_ids"] == want["token_ids"][:max_tokens]
+        assert got["choices"][0]["finish_reason"] == "length"
+    text = want["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    got = call(apps["copy"], prompt, max_tokens=MAX_TOKENS, stop=[stop], speculation=alone)
+    assert got["choices"][0]["text"] == text[:text.index(stop)]
+    assert got["choices"][0]["finish_reason"] == "stop"

@@ -90,10 +90,14 @@ def test_min_tokens_holds_off_eos_and_stop_strings(apps):
     assert len(late["token_ids"]) >= 6 and late["text"].startswith(plain["text"][:1])
 
 
-@pytest.mark.parametrize("regime", ["perturbed", "unrelated"])
-def test_completion_logprobs_are_the_targets_raw_ones(apps, hf, regime):
+@pytest.mark.parametrize("regime, speculation", [("perturbed", None), ("unrelated", None),
+                                                 ("perturbed", {"enabled": False})],
+                         ids=["perturbed", "unrelated", "target-alone"])
+def test_completion_logprobs_are_the_targets_raw_ones(apps, hf, regime, speculation):
+    """Speculating, and the target alone (several tokens per target call, pools.target.decode_steps)."""
     model, tokenizer = hf
-    choice = only(complete(apps[regime], max_tokens=16, logprobs=3))
+    extra = {} if speculation is None else {"speculation": speculation}
+    choice = only(complete(apps[regime], max_tokens=16, logprobs=3, **extra))
     logprobs, ids = choice["logprobs"], choice["token_ids"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(ids) == 16
     reference = hf_logprobs(model, tokenizer.encode(PROMPT) + ids)[-len(ids):]        # [16, V]

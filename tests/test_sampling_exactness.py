@@ -67,13 +67,14 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
 
 def speculative_pairs(target, draft, params: SamplingParams, seed: int,
                       samples: int = SAMPLES, verifier: TargetEngine | None = None,
-                      k_of=lambda round_index, i: K, seeded: bool = False) -> torch.Tensor:
+                      k_of=lambda round_index, i: K, seeded: bool = False, steps: int = 1) -> torch.Tensor:
     """Counts [V, V] of the first two tokens of `samples` speculative generations, run BATCH
     at a time through the batched engines (rows diverge in length after the first round, so
     the padded batch layout is part of what is tested). `verifier` defaults to the target
     in this process; sequence i drafts k_of(round, i) tokens in a round (0: the target alone).
     `seeded`: each sequence sampled by Gumbel-max with public noise of its own seed
-    (replicas/gumbel.py), as a request with a seed is."""
+    (replicas/gumbel.py), as a request with a seed is. `steps`: each verify call runs that many
+    forward passes (VerifyRequest.steps), its further tokens the target alone's."""
     drafts = DraftEngine.on_model(draft, max_cached_tokens=1000)
     verifier = verifier or TargetEngine.on_model(target, max_cached_tokens=1000)
     counts = torch.zeros(VOCAB, VOCAB)
@@ -88,8 +89,8 @@ def speculative_pairs(target, draft, params: SamplingParams, seed: int,
                 noise_seed=noise[i], prompt_len=len(PROMPT)) for i in unfinished])
             verdicts = verifier.verify([VerifyRequest(
                 f"s{i}", sequences[i], proposal.tokens, proposal.probs, params,
-                round_seed(seeds[i], round_index, "target"), noise_seed=noise[i], prompt_len=len(PROMPT))
-                for i, proposal in zip(unfinished, proposals)])
+                round_seed(seeds[i], round_index, "target"), noise_seed=noise[i], prompt_len=len(PROMPT),
+                steps=steps) for i, proposal in zip(unfinished, proposals)])
             for i, verdict in zip(unfinished, verdicts):
                 sequences[i] += verdict.tokens
             round_index += 1
@@ -120,6 +121,19 @@ def test_sampling_matches_target_distribution_while_k_changes_every_round(pair, 
     target, draft = pair
     params = SETTINGS[setting]
     counts = speculative_pairs(target, draft, params, seed=3, k_of=lambda r, i: (r + i) % 4)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+@pytest.mark.parametrize("setting", ["plain", "penalised"])
+def test_the_target_alone_in_one_call_of_two_steps_matches_its_distribution(pair, setting):
+    """A round without drafts whose call runs two forward passes (pools.target.decode_steps):
+    both tokens come from that one call, the second sampled on the first (penalties included)."""
+    target, draft = pair
+    params = (SETTINGS | MORE_SETTINGS)[setting]
+    [one_call] = TargetEngine.on_model(target, max_cached_tokens=100).verify(
+        [VerifyRequest("one", PROMPT, [], None, params, 7, prompt_len=len(PROMPT), steps=2)])
+    assert len(one_call.tokens) == 2
+    counts = speculative_pairs(target, draft, params, seed=4, k_of=lambda r, i: 0, steps=2)
     assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
 
 

@@ -10,6 +10,7 @@ sequence's place of the results; the batch's other rows are answered as usual.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import replace
 from typing import Protocol
@@ -158,18 +159,37 @@ class TargetEngine(_Engine):
     def verify(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
         """One batched forward pass over every sequence's last token and its drafts, then the
         speculative sampling rule: for greedy rows one argmax over all of them, for sampled
-        rows the batched rule (replicas/speculative.py), both on the model's device."""
+        rows the batched rule (replicas/speculative.py), both on the model's device. Then the
+        further single-token steps that calls ask for (VerifyRequest.steps), batched over the
+        rows that still go on: each is a window of no drafts on the tokens so far, so its
+        token is the one the target alone would choose next. They save the router a round
+        trip per token when it has no drafts to send."""
         if not requests:
             return []
         started = time.perf_counter()
+        results = self._windows(requests)
+        ended: set[int] = set()
+        for step in range(1, max(r.steps for r in requests)):
+            going = [i for i, (r, v) in enumerate(zip(requests, results)) if r.steps > step and i not in ended
+                     and isinstance(v, Verification) and v.tokens[-1] not in r.stop_ids]
+            if not going:
+                break
+            for i, more in zip(going, self._windows([_next_step(requests[i], results[i], step) for i in going])):
+                if isinstance(more, RowError):   # the tokens before it stand; the next call meets it again
+                    ended.add(i)
+                else:
+                    results[i] = _joined(results[i], more)
+        model_ms = (time.perf_counter() - started) * 1000
+        return [result if isinstance(result, RowError) else replace(result, model_ms=model_ms) for result in results]
+
+    def _windows(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
+        """One forward pass over each call's window (its last token and drafts), and the rule."""
         extensions = self.runner.extend_batch(
             [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), _logit_rows(r)) for r in requests])
         windows = [e.logits[-(len(r.draft_tokens) + 1):] for e, r in zip(extensions, requests)]   # [k+1, V] each
         outcomes = self._decide(requests, windows)
-        results = [o if isinstance(o, RowError) else self._verification(r, o, e, w)
-                   for r, o, e, w in zip(requests, outcomes, extensions, windows)]
-        model_ms = (time.perf_counter() - started) * 1000
-        return [result if isinstance(result, RowError) else replace(result, model_ms=model_ms) for result in results]
+        return [o if isinstance(o, RowError) else self._verification(r, o, e, w)
+                for r, o, e, w in zip(requests, outcomes, extensions, windows)]
 
     def _verification(self, request: VerifyRequest, outcome, extension: Extension,
                       window: torch.Tensor) -> Verification | RowError:
@@ -242,6 +262,21 @@ class TargetEngine(_Engine):
             self.runner.release(request.seq_id)   # its cache may hold the same bad numbers
             return RowError.of(request.seq_id, outcome)
         return outcome
+
+
+def _next_step(request: VerifyRequest, so_far: Verification, step: int) -> VerifyRequest:
+    """The call's single-token step `step` (1, 2, ...): no drafts, on every token so far, with
+    a seed of its own (a seeded request's noise is keyed by position, replicas/gumbel.py)."""
+    digest = hashlib.blake2b(f"{request.seed}:{step}".encode(), digest_size=8).digest()
+    return replace(request, tokens=list(request.tokens) + list(so_far.tokens), draft_tokens=[], draft_probs=None,
+                   seed=int.from_bytes(digest, "little") >> 1, prompt_logprobs=None, steps=1)
+
+
+def _joined(so_far: Verification, more: Verification) -> Verification:
+    """A call's outcome with one more step's token (and its logprobs) after it."""
+    logprobs = None if so_far.logprobs is None else so_far.logprobs + more.logprobs
+    return replace(so_far, tokens=list(so_far.tokens) + list(more.tokens),
+                   positions_fed=so_far.positions_fed + more.positions_fed, logprobs=logprobs)
 
 
 def _logit_rows(request: VerifyRequest) -> int:
