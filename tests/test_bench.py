@@ -41,7 +41,8 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
         spec, alone = run["speculative"], run["target_only"]
         assert spec["failed"] == alone["failed"] == 0
         assert spec["output_tokens"] == alone["output_tokens"] > 0   # greedy: the same tokens
-        assert spec["tokens_per_round"] > 1 and alone["tokens_per_round"] == 1
+        assert spec["tokens_per_round"] > 1
+        assert 1 < alone["tokens_per_round"] <= 4     # several target steps per call (pools.target.decode_steps)
         assert 0 < spec["acceptance_rate"] <= 1 and alone["acceptance_rate"] == 0
         assert spec["mean_verify_batch"] >= 1 and spec["coordination_ms_per_round"] >= 0
         assert run["speedup_vs_target_only"] > 0 and run["efficiency_vs_ideal"] > 0

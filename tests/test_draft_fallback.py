@@ -80,9 +80,10 @@ def test_a_draft_pool_that_cannot_be_placed_serves_the_target_alone(ray_serve, z
         for prompt, result in zip(PROMPTS[:4], results):
             assert result["choices"][0]["token_ids"] == greedy_reference(prompt, 32)
             spec = result["speculation"]
-            # every round but the last (one token left: nothing to draft) wanted drafts
-            assert spec["rounds"] == len(result["choices"][0]["token_ids"]) > 1   # one token per round
-            assert spec["drafted_tokens"] == 0 and spec["fallback_rounds"] == spec["rounds"] - 1, spec
+            # every round wanted drafts but, where one token was left, the last; a round without
+            # drafts runs several target steps (pools.target.decode_steps)
+            assert 1 < spec["rounds"] < len(result["choices"][0]["token_ids"])
+            assert spec["drafted_tokens"] == 0 and spec["rounds"] - 1 <= spec["fallback_rounds"] <= spec["rounds"], spec
     finally:
         serve.delete("no-drafts")
 
@@ -106,7 +107,8 @@ def test_drafts_later_than_their_budget_are_not_waited_for(ray_serve, zoo, greed
             result = complete(url, prompt, max_tokens=16, speculation={"k": 4})
             assert result["choices"][0]["token_ids"] == greedy_reference(prompt, 16)
             spec = result["speculation"]
-            assert spec["drafted_tokens"] == 0 and spec["fallback_rounds"] == spec["rounds"] - 1 > 0, spec
+            assert spec["drafted_tokens"] == 0 and spec["rounds"] - 1 <= spec["fallback_rounds"] <= spec["rounds"], spec
+            assert spec["fallback_rounds"] > 0
     finally:
         serve.delete("late-drafts")
 
