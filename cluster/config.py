@@ -248,6 +248,14 @@ class SpeculationConfig(Strict):
     k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off; with adaptive on, one of "
                                         "the k tried, and where the first load level starts until the "
                                         "replicas' cost profiles are known.")
+    method: Literal["draft_model", "ngram"] = Field(
+        "draft_model", description="Where drafts come from unless a request picks: the draft pool's model, or "
+                                   "prompt lookup in the router (the continuation of the latest earlier "
+                                   "occurrence of the sequence's last 1-4 tokens, router/lookup.py: no draft "
+                                   "pool, no call; with the Hugging Face target engine only).")
+    methods: list[Literal["draft_model", "ngram"]] = Field(
+        default_factory=lambda: ["draft_model", "ngram"],
+        description="The methods a request may pick (`speculation.method` in its body); `method` is one of them.")
     overlap: Literal[False, True, "auto"] = Field(
         False, description="While a window is verified, draft the next one from the guess that the whole window "
                             "is kept (router/lookahead.py). 'auto': on or off is chosen with k, by the throughput "
@@ -257,6 +265,12 @@ class SpeculationConfig(Strict):
 
     _min_within_max = _at_most("min_k", "max_k")
     _k_within_max = _at_most("k", "max_k")
+
+    @model_validator(mode="after")
+    def method_is_enabled(self):
+        if self.method not in self.methods:
+            raise ValueError(f"speculation.method {self.method!r} is not among speculation.methods {self.methods}")
+        return self
 
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"

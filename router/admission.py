@@ -163,8 +163,17 @@ class Admission:
         if fixed is not None and not max(1, spec.min_k) <= fixed <= spec.max_k:
             raise bad_request(f"speculation.k must lie in [{max(1, spec.min_k)}, {spec.max_k}] on this server.",
                               "speculation.k")
+        method = (options.method if options is not None else None) or spec.method
+        if method not in spec.methods:
+            raise bad_request(f"speculation.method {method!r} is not served here; this server's methods: "
+                              f"{', '.join(spec.methods)}.", "speculation.method")
+        if method == "ngram" and self.config.pools.target.engine == "vllm":
+            raise bad_request("speculation.method 'ngram' is not served with the vLLM target engine.",
+                              "speculation.method")
         if not (spec.enabled and wanted):
             return {"k": 0, "adaptive": False, "overlap": False}
+        if method == "ngram":      # free drafts: the k asked for, nothing drafted ahead
+            return {"k": fixed or spec.k, "adaptive": False, "overlap": False, "method": method}
         asked = options.overlap if options is not None else None
         overlap = spec.overlap if asked is None or spec.overlap is False else asked
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap}

@@ -5,7 +5,7 @@ names carry Ray's `ray_` prefix). The counting itself happens in plain objects
 No series is labelled by request.
 
 Series (all `specserve_`): requests_total{status}, errors_total{type}, rounds_total{kind:
-speculative | target_only | fallback}, drafted_tokens_total, accepted_tokens_total,
+speculative | lookup | target_only | fallback}, drafted_tokens_total, accepted_tokens_total,
 generated_tokens_total, cache_rebuilds_total{pool}, tokens_per_round, k (the k each round
 asked for), verify_batch_size and draft_batch_size (sequences in the forward pass that
 served a round), ttft_seconds, inter_token_seconds, router_requests{state: running |
@@ -55,8 +55,10 @@ class RouterMetrics:
                                       tag_keys=("level", "arm"))
         self.totals = Totals()
 
-    def round(self, k: int, drafts: int, verification, proposal, fallback: bool, rebuilt: dict[str, bool]) -> None:
-        kind = "fallback" if fallback else "speculative" if drafts else "target_only"
+    def round(self, k: int, drafts: int, verification, proposal, fallback: bool, rebuilt: dict[str, bool],
+              lookup: bool = False) -> None:
+        """lookup: the round's drafts came from prompt lookup (router/lookup.py)."""
+        kind = "fallback" if fallback else ("lookup" if lookup else "speculative") if drafts else "target_only"
         self.rounds.inc(tags={"kind": kind})
         self.k.observe(k)
         _add(self.drafted, drafts)

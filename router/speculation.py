@@ -38,6 +38,7 @@ from router.gathering import CallGatherer
 from router.goodput import CostProfile
 from router.k_control import Arm, KController
 from router.lookahead import Drafts, lookahead_size, usable_drafts
+from router.lookup import lookup_drafts
 from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
 
@@ -83,6 +84,7 @@ class Generation:
     logprobs: int | None = None          # each token's logprob, with this many of the most likely
     prompt_logprobs: int | None = None   # the prompt's too (echo), from the first verify's rows
     echo: str | None = None              # the text a completion starts with (the prompt's, echoed)
+    method: str = "draft_model"          # drafts from the draft pool, or "ngram": prompt lookup (router/lookup.py)
 
     def ends_on(self, eos_token_ids: set[int]) -> set[int]:
         """The token ids that end this output (once min_tokens are out)."""
@@ -117,6 +119,10 @@ class SpeculationStats:
     lookahead_hits: int = 0
     draft_ms: float = 0.0
     hidden_draft_ms: float = 0.0
+    # Rounds whose drafts came from prompt lookup (router/lookup.py), their drafts and those kept.
+    lookup_rounds: int = 0
+    lookup_drafted_tokens: int = 0
+    lookup_accepted_tokens: int = 0
 
     @classmethod
     def total(cls, parts: list["SpeculationStats"]) -> "SpeculationStats":
@@ -142,7 +148,16 @@ class SpeculationStats:
                 "mean_k": round(self.k_chosen * per_round, 3), "lookaheads": self.lookaheads,
                 "lookahead_hit_rate": round(self.lookahead_hits / self.lookaheads_checked, 4)
                 if self.lookaheads_checked else 0.0,
-                "draft_hidden_share": round(self.hidden_draft_ms / self.draft_ms, 4) if self.draft_ms else 0.0}
+                "draft_hidden_share": round(self.hidden_draft_ms / self.draft_ms, 4) if self.draft_ms else 0.0,
+                "by_kind": self._by_kind()}
+
+    def _by_kind(self) -> dict:
+        """Rounds that drafted, drafts and accepted drafts, by where the drafts came from."""
+        return {"draft_model": {"rounds": self.draft_rounds,
+                                "drafted_tokens": self.drafted_tokens - self.lookup_drafted_tokens,
+                                "accepted_tokens": self.accepted_tokens - self.lookup_accepted_tokens},
+                "ngram": {"rounds": self.lookup_rounds, "drafted_tokens": self.lookup_drafted_tokens,
+                          "accepted_tokens": self.lookup_accepted_tokens}}
 
 
 @dataclass
@@ -309,11 +324,15 @@ class SpeculationLoop:
             # A call after the first that computed the whole sequence again rebuilt its cache.
             rebuilt = {"target": stats.rounds > 0 and verdict.positions_fed >= len(tokens),
                        "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= len(tokens)}
-            self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt)
+            self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt,
+                               lookup=gen.method == "ngram")
         model_ms = verdict.model_ms + (proposal.model_ms if proposal is not None else 0.0)
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
+        if gen.method == "ngram" and drafts:
+            stats.lookup_drafted_tokens += len(drafts)
+            stats.lookup_accepted_tokens += verdict.accepted
         stats.verify_batch_rows += verdict.batch_rows
         stats.model_ms += verdict.model_ms
         round_ms = (time.perf_counter() - started) * 1000
@@ -420,6 +439,10 @@ class SpeculationLoop:
         are unavailable."""
         if k == 0:
             return [], None, None
+        if gen.method == "ngram":   # q one-hot, which the target's rule assumes when no probs come
+            drafts = lookup_drafts(tokens, k)
+            stats.lookup_rounds += bool(drafts)
+            return drafts, None, None
         if not self.drafts.available:
             stats.fallback_rounds += 1
             return [], None, None

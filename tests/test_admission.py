@@ -105,3 +105,22 @@ def test_overlap_is_the_routers_choice_unless_a_request_fixes_it(zoo, tokenizer,
     body = json.dumps({"model": "specserve", "prompt": "x", "speculation": speculation}).encode()
     [gen] = Admission(config, tokenizer, len(tokenizer)).completion(parse_body(CompletionBody, body))
     assert gen.overlap == expected
+
+
+def completion_body(**fields) -> CompletionBody:
+    return parse_body(CompletionBody, json.dumps({"model": "specserve", "prompt": "x = 1", **fields}).encode())
+
+
+def test_a_request_picks_its_draft_method_among_the_servers(zoo, tokenizer):
+    both = Admission(cluster_config(zoo.target, zoo.drafts["copy"]), tokenizer, len(tokenizer))
+    [gen] = both.completion(completion_body(speculation={"method": "ngram", "k": 5}))
+    assert (gen.method, gen.k, gen.adaptive, gen.overlap) == ("ngram", 5, False, False)
+    [gen] = both.completion(completion_body())
+    assert gen.method == "draft_model" and gen.adaptive
+    only_model = cluster_config(zoo.target, zoo.drafts["copy"], speculation={"methods": ["draft_model"]})
+    with pytest.raises(OpenAIError) as refused:
+        Admission(only_model, tokenizer, len(tokenizer)).completion(completion_body(speculation={"method": "ngram"}))
+    assert refused.value.status == 400 and refused.value.param == "speculation.method"
+    lookup_default = cluster_config(zoo.target, zoo.drafts["copy"], speculation={"method": "ngram"})
+    [gen] = Admission(lookup_default, tokenizer, len(tokenizer)).completion(completion_body())
+    assert gen.method == "ngram"

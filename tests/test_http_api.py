@@ -98,12 +98,16 @@ def assert_speculation(out: dict) -> dict:
                          "mean_verify_batch", "mean_draft_batch", "round_ms", "coordination_ms_per_round",
                          "retried_calls", "fallback_rounds", "mean_k", "hop_ms_per_round",
                          "replica_wait_ms_per_round", "router_ms_per_round", "lookahead_hit_rate",
-                         "draft_hidden_share", "lookaheads"}
+                         "draft_hidden_share", "lookaheads", "by_kind"}
     assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert spec["rounds"] >= 1
     assert spec["mean_verify_batch"] >= 1 and spec["round_ms"] >= spec["coordination_ms_per_round"] >= 0
-    assert (spec["mean_draft_batch"] >= 1) == (spec["drafted_tokens"] > 0)
+    kinds = spec["by_kind"]
+    assert set(kinds) == {"draft_model", "ngram"}
+    for field in ("drafted_tokens", "accepted_tokens"):
+        assert kinds["draft_model"][field] + kinds["ngram"][field] == spec[field]
+    assert (spec["mean_draft_batch"] >= 1) == (kinds["draft_model"]["drafted_tokens"] > 0)
     # The three parts of coordination are each a real duration, and add up to it.
     parts = [spec["hop_ms_per_round"], spec["replica_wait_ms_per_round"], spec["router_ms_per_round"]]
     assert min(parts) >= 0 and abs(sum(parts) - spec["coordination_ms_per_round"]) < 0.01

@@ -160,3 +160,37 @@ def test_the_target_alone_stops_exactly_where_asked(apps, reference, stream):
     got = call(apps["copy"], prompt, max_tokens=MAX_TOKENS, stop=[stop], speculation=alone)
     assert got["choices"][0]["text"] == text[:text.index(stop)]
     assert got["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("k", range(1, 9))
+def test_prompt_lookup_greedy_equals_target_only(apps, reference, k, stream):
+    """`speculation.method: ngram`: drafts copied from the sequence in the router (router/lookup.py)."""
+    call = stream_complete if stream else complete
+    looked_up = 0
+    for prompt in PROMPTS:
+        got = call(apps["unrelated"], prompt, max_tokens=MAX_TOKENS, speculation={"method": "ngram", "k": k})
+        want = reference[prompt]
+        assert got["choices"][0]["token_ids"] == want["token_ids"]
+        assert got["choices"][0]["text"] == want["text"]
+        assert got["choices"][0]["finish_reason"] == want["finish_reason"]
+        kinds = got["speculation"]["by_kind"]
+        assert kinds["draft_model"]["drafted_tokens"] == 0 and got["speculation"]["mean_draft_batch"] == 0
+        looked_up += kinds["ngram"]["drafted_tokens"]
+    assert looked_up > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_prompt_lookup_stops_at_stop_strings_and_max_tokens(apps, reference, stream):
+    call = stream_complete if stream else complete
+    prompt = PROMPTS[1]
+    want = reference[prompt]
+    lookup = {"method": "ngram", "k": 6}
+    for max_tokens in (1, 2, 5, 9):
+        got = call(apps["copy"], prompt, max_tokens=max_tokens, speculation=lookup)
+        assert got["choices"][0]["token_ids"] == want["token_ids"][:max_tokens]
+    text = want["text"]
+    for stop in (text[len(text) // 2:len(text) // 2 + 2], text[-3:]):
+        got = call(apps["copy"], prompt, max_tokens=MAX_TOKENS, stop=[stop], speculation=lookup)
+        assert got["choices"][0]["text"] == text[:text.index(stop)]
+        assert got["choices"][0]["finish_reason"] == "stop"

@@ -25,6 +25,7 @@ from replicas.engines.huggingface.shard_group import launch_local
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
 from training.tiny_models import tiny_llama
+from router.lookup import lookup_drafts
 from router.speculation import round_seed
 from tests.test_logits_processing import reference_probs
 
@@ -57,11 +58,11 @@ def pair():
 
 
 @torch.inference_mode()
-def exact_joint(target, params: SamplingParams) -> torch.Tensor:
-    """P(t1, t2 | PROMPT) [V, V], by enumerating t1 with full forward passes (no cache)."""
-    first = reference_probs(target(torch.tensor([PROMPT])).logits[0, -1], params, PROMPT, len(PROMPT))   # [V]
-    seconds = target(torch.tensor([PROMPT + [t] for t in range(VOCAB)])).logits[:, -1]                   # [V, V]
-    second = torch.stack([reference_probs(seconds[t], params, PROMPT + [t], len(PROMPT)) for t in range(VOCAB)])
+def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """P(t1, t2 | prompt) [V, V], by enumerating t1 with full forward passes (no cache)."""
+    first = reference_probs(target(torch.tensor([prompt])).logits[0, -1], params, prompt, len(prompt))   # [V]
+    seconds = target(torch.tensor([prompt + [t] for t in range(VOCAB)])).logits[:, -1]                   # [V, V]
+    second = torch.stack([reference_probs(seconds[t], params, prompt + [t], len(prompt)) for t in range(VOCAB)])
     return first[:, None] * second
 
 
@@ -135,6 +136,52 @@ def test_the_target_alone_in_one_call_of_two_steps_matches_its_distribution(pair
     assert len(one_call.tokens) == 2
     counts = speculative_pairs(target, draft, params, seed=4, k_of=lambda r, i: 0, steps=2)
     assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+# A prompt that repeats itself, so that prompt lookup finds drafts in the first round (3, 1, 2)
+# and, after most first tokens, in the second.
+REPEATING = [1, 2, 3, 1, 2]
+
+
+def lookup_pairs(target, params: SamplingParams, seed: int, wrong_q: bool = False) -> torch.Tensor:
+    """Counts [V, V] of the first two tokens after REPEATING, with drafts from prompt lookup
+    (router/lookup.py), verified as the router sends them: no draft_probs, so q is one-hot.
+    wrong_q: send a uniform q instead, as if the drafts had been sampled from it."""
+    verifier = TargetEngine.on_model(target, max_cached_tokens=1000)
+    counts, looked_up = torch.zeros(VOCAB, VOCAB), 0
+    for first in range(0, SAMPLES, BATCH):
+        sequences = {i: list(REPEATING) for i in range(first, min(first + BATCH, SAMPLES))}
+        round_index = 0
+        while unfinished := [i for i, tokens in sequences.items() if len(tokens) < len(REPEATING) + 2]:
+            drafts = {i: lookup_drafts(sequences[i], K) for i in unfinished}
+            looked_up += sum(len(d) for d in drafts.values())
+            verdicts = verifier.verify([VerifyRequest(
+                f"s{i}", sequences[i], drafts[i], torch.full((len(drafts[i]), VOCAB), 1 / VOCAB) if wrong_q else None,
+                params, round_seed(seed * 1_000_003 + i, round_index, "target"), prompt_len=len(REPEATING))
+                for i in unfinished])
+            for i, verdict in zip(unfinished, verdicts):
+                sequences[i] += verdict.tokens
+            round_index += 1
+        for tokens in sequences.values():
+            counts[tokens[len(REPEATING)], tokens[len(REPEATING) + 1]] += 1
+    assert looked_up >= SAMPLES * K       # every first round drafted 3 tokens
+    return counts
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_prompt_lookup_drafts_keep_the_target_distribution(pair, setting):
+    target, _ = pair
+    params = SETTINGS[setting]
+    counts = lookup_pairs(target, params, seed=5)
+    assert chi_square_p_value(counts, exact_joint(target, params, REPEATING)) > ALPHA
+
+
+def test_the_test_rejects_lookup_drafts_verified_with_a_wrong_q(pair):
+    """Power: the same drafts checked as if sampled from a uniform q (acceptance min(1, V p))."""
+    target, _ = pair
+    params = SETTINGS["plain"]
+    counts = lookup_pairs(target, params, seed=5, wrong_q=True)
+    assert chi_square_p_value(counts, exact_joint(target, params, REPEATING)) < ALPHA
 
 
 @pytest.fixture(scope="module")
