@@ -248,14 +248,21 @@ class SpeculationConfig(Strict):
     k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off; with adaptive on, one of "
                                         "the k tried, and where the first load level starts until the "
                                         "replicas' cost profiles are known.")
-    method: Literal["draft_model", "ngram"] = Field(
-        "draft_model", description="Where drafts come from unless a request picks: the draft pool's model, or "
-                                   "prompt lookup in the router (the continuation of the latest earlier "
+    method: Literal["draft_model", "ngram", "hybrid"] = Field(
+        "draft_model", description="Where drafts come from unless a request picks: the draft pool's model; "
+                                   "`ngram`, prompt lookup in the router (the continuation of the latest earlier "
                                    "occurrence of the sequence's last 1-4 tokens, router/lookup.py: no draft "
-                                   "pool, no call; with the Hugging Face target engine only).")
-    methods: list[Literal["draft_model", "ngram"]] = Field(
-        default_factory=lambda: ["draft_model", "ngram"],
+                                   "call); `hybrid`, lookup in rounds where a suffix of at least "
+                                   "hybrid_min_ngram tokens matched, the draft pool in the others. Lookup "
+                                   "with the Hugging Face target engine only.")
+    methods: list[Literal["draft_model", "ngram", "hybrid"]] = Field(
+        default_factory=lambda: ["draft_model", "ngram", "hybrid"],
         description="The methods a request may pick (`speculation.method` in its body); `method` is one of them.")
+    hybrid_min_ngram: int = Field(2, ge=1, le=4, description="A hybrid round drafts by lookup when a suffix of the "
+                                                             "sequence this long occurred earlier in it.")
+    lookup_fallback: bool = Field(True, description="A round whose draft pool failed or is late drafts by prompt "
+                                                    "lookup (exact, like any draft) before going on with the "
+                                                    "target alone.")
     overlap: Literal[False, True, "auto"] = Field(
         False, description="While a window is verified, draft the next one from the guess that the whole window "
                             "is kept (router/lookahead.py). 'auto': on or off is chosen with k, by the throughput "

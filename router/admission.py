@@ -167,8 +167,8 @@ class Admission:
         if method not in spec.methods:
             raise bad_request(f"speculation.method {method!r} is not served here; this server's methods: "
                               f"{', '.join(spec.methods)}.", "speculation.method")
-        if method == "ngram" and self.config.pools.target.engine == "vllm":
-            raise bad_request("speculation.method 'ngram' is not served with the vLLM target engine.",
+        if method != "draft_model" and self.config.pools.target.engine == "vllm":
+            raise bad_request(f"speculation.method {method!r} is not served with the vLLM target engine.",
                               "speculation.method")
         if not (spec.enabled and wanted):
             return {"k": 0, "adaptive": False, "overlap": False}
@@ -176,7 +176,7 @@ class Admission:
             return {"k": fixed or spec.k, "adaptive": False, "overlap": False, "method": method}
         asked = options.overlap if options is not None else None
         overlap = spec.overlap if asked is None or spec.overlap is False else asked
-        return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap}
+        return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap, "method": method}
 
 
 def _sampling(body: _GenerationBody, bias: tuple[tuple[int, float], ...], ends: tuple[int, ...]) -> SamplingParams:

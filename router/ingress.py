@@ -39,6 +39,7 @@ from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_t
 from router.gate import GateFull, RequestGate, Slot
 from router.k_control import KController
 from replicas.metrics import GAUGE_REFRESH_S, refresh_every
+from router.lookup import LookupOptions
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import (CHAT, COMPLETION, ResponseFormat, chat_logprobs, completion_logprobs, envelope, sse,
@@ -162,7 +163,8 @@ class Router:
                                     lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics,
                                     channel_key if pools.router.direct_calls else None,
                                     engine_rounds=pools.target.engine == "vllm",
-                                    decode_steps=pools.target.decode_steps)
+                                    decode_steps=pools.target.decode_steps,
+                                    lookup=LookupOptions(spec.k, spec.hybrid_min_ngram, spec.lookup_fallback))
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")

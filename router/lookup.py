@@ -15,16 +15,32 @@ greedy keeps drafts while they equal the target's argmax.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MIN_NGRAM = 1
 MAX_NGRAM = 4
+
+
+@dataclass(frozen=True)
+class LookupOptions:
+    """Where the router drafts by lookup besides `method: ngram` requests."""
+    k: int = 4                  # drafts a hybrid round takes from a match
+    hybrid_min_ngram: int = 2   # a hybrid round drafts by lookup when a suffix this long matched
+    fallback: bool = True       # rounds whose draft pool failed or is late draft by lookup
 
 
 def lookup_drafts(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to k drafts for what follows `tokens`: the continuation of the latest earlier
     occurrence of its longest matching suffix of min_ngram..max_ngram tokens; none when no
     suffix occurs earlier (or k is 0)."""
+    return lookup_match(tokens, k, max_ngram, min_ngram)[0]
+
+
+def lookup_match(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM,
+                 min_ngram: int = MIN_NGRAM) -> tuple[list[int], int]:
+    """lookup_drafts' drafts, and the length of the suffix that matched (0: none)."""
     if k <= 0:
-        return []
+        return [], 0
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         pattern = tokens[length - n:]
@@ -32,5 +48,5 @@ def lookup_drafts(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngr
         # latest start first: the nearest copy is the likeliest to go on the same way
         for end in range(length - 2, n - 2, -1):     # `end`: where an earlier occurrence ends
             if tokens[end] == last and tokens[end - n + 1:end + 1] == pattern:
-                return tokens[end + 1:end + 1 + k]
-    return []
+                return tokens[end + 1:end + 1 + k], n
+    return [], 0

@@ -38,7 +38,7 @@ from router.gathering import CallGatherer
 from router.goodput import CostProfile
 from router.k_control import Arm, KController
 from router.lookahead import Drafts, lookahead_size, usable_drafts
-from router.lookup import lookup_drafts
+from router.lookup import LookupOptions, lookup_drafts, lookup_match
 from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
 
@@ -84,7 +84,8 @@ class Generation:
     logprobs: int | None = None          # each token's logprob, with this many of the most likely
     prompt_logprobs: int | None = None   # the prompt's too (echo), from the first verify's rows
     echo: str | None = None              # the text a completion starts with (the prompt's, echoed)
-    method: str = "draft_model"          # drafts from the draft pool, or "ngram": prompt lookup (router/lookup.py)
+    method: str = "draft_model"          # drafts from the draft pool, "ngram": prompt lookup (router/lookup.py),
+                                         # "hybrid": lookup where its match is long enough, else the pool
 
     def ends_on(self, eos_token_ids: set[int]) -> set[int]:
         """The token ids that end this output (once min_tokens are out)."""
@@ -199,12 +200,15 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
                  control: KController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
-                 channel_key: bytes | None = None, engine_rounds: bool = False, decode_steps: int = 1):
+                 channel_key: bytes | None = None, engine_rounds: bool = False, decode_steps: int = 1,
+                 lookup: LookupOptions | None = None):
         """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
         draft pool on its own, replicas/engines/vllm/target.py): a request streams from it.
-        decode_steps: single-token steps one target call runs for a round without drafts."""
+        decode_steps: single-token steps one target call runs for a round without drafts.
+        lookup: how prompt lookup drafts (router/lookup.py) in hybrid and fallback rounds."""
         self.engine_rounds = engine_rounds
         self.decode_steps = decode_steps
+        self.lookup = lookup or LookupOptions()
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
@@ -307,6 +311,7 @@ class SpeculationLoop:
             drafts, probs, proposal = ready.tokens, ready.probs, None   # drafted off this round's path
         else:
             drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
+        looked_up = bool(drafts) and ready is None and proposal is None   # model drafts come with a proposal
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
@@ -325,12 +330,13 @@ class SpeculationLoop:
             rebuilt = {"target": stats.rounds > 0 and verdict.positions_fed >= len(tokens),
                        "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= len(tokens)}
             self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt,
-                               lookup=gen.method == "ngram")
+                               lookup=looked_up)
         model_ms = verdict.model_ms + (proposal.model_ms if proposal is not None else 0.0)
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
-        if gen.method == "ngram" and drafts:
+        if looked_up:
+            stats.lookup_rounds += 1
             stats.lookup_drafted_tokens += len(drafts)
             stats.lookup_accepted_tokens += verdict.accepted
         stats.verify_batch_rows += verdict.batch_rows
@@ -439,13 +445,16 @@ class SpeculationLoop:
         are unavailable."""
         if k == 0:
             return [], None, None
-        if gen.method == "ngram":   # q one-hot, which the target's rule assumes when no probs come
-            drafts = lookup_drafts(tokens, k)
-            stats.lookup_rounds += bool(drafts)
-            return drafts, None, None
+        # Lookup drafts go without probs: q one-hot, as the target's rule then takes it.
+        if gen.method == "ngram":
+            return lookup_drafts(tokens, k), None, None
+        if gen.method == "hybrid":
+            drafts, matched = lookup_match(tokens, self.lookup.k)
+            if matched >= self.lookup.hybrid_min_ngram:
+                return drafts, None, None
         if not self.drafts.available:
             stats.fallback_rounds += 1
-            return [], None, None
+            return self._fallback_drafts(tokens, k), None, None
         started = time.perf_counter()
         try:
             proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
@@ -454,11 +463,11 @@ class SpeculationLoop:
         except RowError as exc:   # this sequence's row alone failed on the draft replica
             logger.warning("drafting failed for %s (%s): verifying without drafts", seq_id, exc)
             stats.fallback_rounds += 1
-            return [], None, None
+            return self._fallback_drafts(tokens, k), None, None
         except Exception as exc:  # noqa: BLE001 - the pool failed or is late: go on without it
             self.drafts.report_failure(type(exc).__name__)
             stats.fallback_rounds += 1
-            return [], None, None
+            return self._fallback_drafts(tokens, k), None, None
         stats.draft_batch_rows += proposal.batch_rows
         stats.draft_rounds += 1
         stats.model_ms += proposal.model_ms
@@ -466,6 +475,11 @@ class SpeculationLoop:
         stats.call_ms += (time.perf_counter() - started) * 1000
         stats.replica_ms += proposal.replica_ms
         return proposal.tokens, proposal.probs, proposal
+
+    def _fallback_drafts(self, tokens: list[int], k: int) -> list[int]:
+        """A round whose draft pool failed or is late drafts by prompt lookup, where the server
+        serves it; else (or without a match) it goes on with the target alone."""
+        return lookup_drafts(tokens, k) if self.lookup.fallback else []
 
     async def _send(self, pool: str, lane: str, requests: list) -> list:
         """One call to a pool with the requests of a lane (router/gathering.py): over the

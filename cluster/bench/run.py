@@ -5,7 +5,7 @@ run, and compare with transformers' assisted generation and the analytic ideal.
 
 Modes, in every load phase: `adaptive` (the server chooses k, when its config adapts),
 `speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
-off), where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
+off), `ngram` (prompt lookup in the router, k = --k; where the server serves it), where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
 on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
 fixed), with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI server on the
 same pair, speculating and alone: cluster/bench/vllm_server.py); at every concurrency also every k of --sweep-k, fixed. Every phase runs
@@ -123,6 +123,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     speculative = Workload(url, model, prompts, args.max_tokens, {"k": k})
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
+    if "ngram" in config.speculation.methods:   # prompt lookup in the router, no draft calls
+        modes["ngram"] = replace(speculative, speculation={"method": "ngram", "k": k})
     if config.speculation.adaptive:
         modes = {"adaptive": replace(speculative, speculation={}), **modes}
     if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
