@@ -310,7 +310,7 @@ class SpeculationLoop:
         if ready is not None:
             drafts, probs, proposal = ready.tokens, ready.probs, None   # drafted off this round's path
         else:
-            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats)
+            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats, max(cap, 0))
         looked_up = bool(drafts) and ready is None and proposal is None   # model drafts come with a proposal
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
@@ -440,18 +440,19 @@ class SpeculationLoop:
                 logger.warning("no cost profile from the %s pool yet", pool, exc_info=True)
 
     async def _drafts(self, lane: str, seq_id: str, tokens: list[int], k: int, gen: Generation,
-                      stats: SpeculationStats) -> tuple[list[int], object, object]:
+                      stats: SpeculationStats, room: int) -> tuple[list[int], object, object]:
         """k drafts, their probabilities q and the proposal; none when k is 0 or the drafts
-        are unavailable."""
-        if k == 0:
-            return [], None, None
+        are unavailable. A hybrid round takes up to lookup.k drafts from a long enough match
+        instead, whatever its k, within `room` (the drafts the request's end leaves space for)."""
         # Lookup drafts go without probs: q one-hot, as the target's rule then takes it.
-        if gen.method == "ngram":
-            return lookup_drafts(tokens, k), None, None
-        if gen.method == "hybrid":
-            drafts, matched = lookup_match(tokens, self.lookup.k)
+        if gen.method == "hybrid" and room > 0:
+            drafts, matched = lookup_match(tokens, min(self.lookup.k, room))
             if matched >= self.lookup.hybrid_min_ngram:
                 return drafts, None, None
+        if k == 0:
+            return [], None, None
+        if gen.method == "ngram":
+            return lookup_drafts(tokens, k), None, None
         if not self.drafts.available:
             stats.fallback_rounds += 1
             return self._fallback_drafts(tokens, k), None, None

@@ -23,7 +23,7 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     assert code == 0
     report = json.loads(out.read_text())
     assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
-    fixed = ["adaptive", "speculative", "target_only", "ngram", "overlap", "no_overlap"]     # where overlap may be on
+    fixed = ["adaptive", "speculative", "target_only", "ngram", "hybrid", "overlap", "no_overlap"]   # overlap may be on
     for run in report["closed_loop"]:             # the sweep at every concurrency
         assert run["modes"] == fixed + ["k=2"]
     choices = report["closed_loop"][0]["adaptive"]["choice_after_each_run"]   # the router's, after each run

@@ -199,3 +199,16 @@ def test_prompt_lookup_stops_at_stop_strings_and_max_tokens(apps, reference, str
         got = call(apps["copy"], prompt, max_tokens=MAX_TOKENS, stop=[stop], speculation=lookup)
         assert got["choices"][0]["text"] == text[:text.index(stop)]
         assert got["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("method", ["ngram", "hybrid"])
+def test_lookup_drafts_stay_within_the_context(apps, zoo, method):
+    """A repeating prompt a few tokens short of the context (512): every lookup finds a long
+    match, and its drafts must still leave the last position free."""
+    tokenizer = load_tokenizer(zoo.target)
+    line = tokenizer.encode("x = 1\n")
+    ids = (line * (512 // len(line) + 1))[:509]
+    alone = complete(apps["copy"], ids, max_tokens=16, speculation={"enabled": False})
+    got = complete(apps["copy"], ids, max_tokens=16, speculation={"method": method, "k": 8})
+    assert got["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert got["usage"]["completion_tokens"] == 3          # the context's room

@@ -5,7 +5,8 @@ run, and compare with transformers' assisted generation and the analytic ideal.
 
 Modes, in every load phase: `adaptive` (the server chooses k, when its config adapts),
 `speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
-off), `ngram` (prompt lookup in the router, k = --k; where the server serves it), where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
+off), `ngram` (prompt lookup in the router, k = --k) and `hybrid` (lookup where
+it matched, the draft pool elsewhere, k = --k), where the server serves them; where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
 on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
 fixed), with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI server on the
 same pair, speculating and alone: cluster/bench/vllm_server.py); at every concurrency also every k of --sweep-k, fixed. Every phase runs
@@ -125,6 +126,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
     if "ngram" in config.speculation.methods:   # prompt lookup in the router, no draft calls
         modes["ngram"] = replace(speculative, speculation={"method": "ngram", "k": k})
+    if "hybrid" in config.speculation.methods:  # lookup where it matched, the draft pool elsewhere
+        modes["hybrid"] = replace(speculative, speculation={"method": "hybrid", "k": k})
     if config.speculation.adaptive:
         modes = {"adaptive": replace(speculative, speculation={}), **modes}
     if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
