@@ -38,7 +38,8 @@ def loop_on(app: str, zoo) -> tuple[SpeculationLoop, EveryRound]:
     control = EveryRound()
     loop = SpeculationLoop(serve.get_deployment_handle("draft", app_name=app),
                            serve.get_deployment_handle("target", app_name=app), tokenizer,
-                           {tokenizer.eos_token_id}, PoolTimeouts(1.0, 60.0), control)
+                           {tokenizer.eos_token_id}, PoolTimeouts(1.0, 60.0), control,
+                           decode_steps=4)   # as served: its k = 0 rounds run several target steps a call
     return loop, control
 
 

@@ -122,21 +122,23 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     k = args.k or config.speculation.k
     prompts = held_out_prompts(tokenizer, max(args.num_requests, max(args.concurrency)), args.prompt_tokens)
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    speculative = Workload(url, model, prompts, args.max_tokens, {"k": k})
+    # The draft pool's modes name their method: a server's default may be another (cluster.yaml: ngram).
+    pool = {"method": "draft_model"}
+    speculative = Workload(url, model, prompts, args.max_tokens, {"k": k, **pool})
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
     if "ngram" in config.speculation.methods:   # prompt lookup in the router, no draft calls
         modes["ngram"] = replace(speculative, speculation={"method": "ngram", "k": k})
     if "hybrid" in config.speculation.methods:  # lookup where it matched, the draft pool elsewhere
         modes["hybrid"] = replace(speculative, speculation={"method": "hybrid", "k": k})
     if config.speculation.adaptive:
-        modes = {"adaptive": replace(speculative, speculation={}), **modes}
+        modes = {"adaptive": replace(speculative, speculation=pool), **modes}
     if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
         modes["vllm_target"] = replace(speculative, url=_serve_vllm_target(config, url))
     for mode, vllm_url in (vllm_urls or {}).items():   # vLLM's own server: the same load, no extension
         modes[mode] = replace(speculative, url=vllm_url, model=SERVED_NAME, speculation=None)
     if config.speculation.overlap is not False:   # the same k, with lookaheads fixed on and fixed off
-        modes["overlap"] = replace(speculative, speculation={"k": k, "overlap": True})
-        modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False})
+        modes["overlap"] = replace(speculative, speculation={"k": k, "overlap": True, **pool})
+        modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False, **pool})
     print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
           f"modes {', '.join(modes)}")
     vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
@@ -149,7 +151,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         # a first wave at this load, unmeasured: caches and KV slots grow to it before any mode runs
         for name in ["target_only", *vllm_modes]:
             asyncio.run(closed_loop(modes[name], concurrency, concurrency))
-        sweep = {f"k={v}": replace(speculative, speculation={"k": v}) for v in args.sweep_k if v != k}
+        sweep = {f"k={v}": replace(speculative, speculation={"k": v, **pool}) for v in args.sweep_k if v != k}
         closed.append(_phase({"concurrency": concurrency, "mode": "closed"}, {**modes, **sweep},
                              lambda work, c=concurrency: closed_loop(work, c, max(args.num_requests, 2 * c)),
                              args.repeats, app))
