@@ -29,7 +29,7 @@ def build_app(config: ClusterConfig) -> Application:
     # Signs the router's direct calls to the model replicas (replicas/direct_channel.py): new
     # with every build, known to this application's processes only.
     channel_key = secrets.token_bytes(32)
-    draft = DraftPool.options(**_model_pool_options(pools.draft)).bind(
+    draft = None if config.models.draft is None else DraftPool.options(**_model_pool_options(pools.draft)).bind(
         config.models.draft, pools.draft, config.limits.context_length, channel_key)
     if pools.target.engine == "vllm":
         from replicas.engines.vllm.target import VllmTargetPool   # imports vLLM only where the replica runs
@@ -81,7 +81,7 @@ def ensure_placeholder_models(config: ClusterConfig, say: Callable[[str], None] 
     """Build the UNTRAINED placeholder models that cluster.yaml asks for and that are missing.
     The tokenizer is fitted deterministically, so folders built at different times agree."""
     folders = {}
-    for spec in (config.models.target, config.models.draft):
+    for spec in config.models.specs().values():
         if spec.placeholder is not None and not (spec.path / "config.json").is_file():
             say(f"building an UNTRAINED placeholder {spec.placeholder} model (random weights) at {spec.path}")
             folders[spec.placeholder] = spec.path

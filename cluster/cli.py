@@ -45,7 +45,8 @@ def _config_check(args: argparse.Namespace) -> int:
     config = load_or_report(args.path)
     if config is None:
         return 1
-    print(f"{args.path}: ok (target {config.models.target.path}, draft {config.models.draft.path})")
+    draft = config.models.draft.path if config.models.draft is not None else "none: prompt lookup only"
+    print(f"{args.path}: ok (target {config.models.target.path}, draft {draft})")
     return 0
 
 

@@ -54,7 +54,13 @@ class ModelSpec(Strict):
 
 class ModelsConfig(Strict):
     target: ModelSpec
-    draft: ModelSpec
+    draft: ModelSpec | None = Field(
+        None, description="Left out: no draft pool; the cluster speculates by prompt lookup (speculation.method "
+                          "ngram), which needs none.")
+
+    def specs(self) -> dict[str, ModelSpec]:
+        """The models the cluster serves, by role."""
+        return {role: spec for role, spec in (("target", self.target), ("draft", self.draft)) if spec is not None}
 
 
 class Resources(Strict):
@@ -337,6 +343,33 @@ class ClusterConfig(Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def lookup_without_a_draft_model(cls, data):
+        """Without a draft model, unless the file names them, method and methods are ngram."""
+        models, spec = (data.get("models"), data.get("speculation", {})) if isinstance(data, dict) else (None, None)
+        if isinstance(models, dict) and models.get("draft") is None and isinstance(spec, dict):
+            method = spec.get("method", "ngram")
+            return {**data, "speculation": {"method": method, "methods": [method], **spec}}
+        return data
+
+    @model_validator(mode="after")
+    def draft_pool_methods_have_a_draft_model(self):
+        if self.models.draft is None:
+            spec = self.speculation
+            needing = sorted({spec.method, *spec.methods} - {"ngram"})
+            if needing:
+                raise ValueError(f"speculation: {', '.join(needing)} drafts from the draft pool, and models.draft "
+                                 "is left out (without it, speculation.method and methods may be ngram only)")
+            if self.pools.target.engine == "vllm":
+                raise ValueError("pools.target.engine: vllm drafts from the draft pool; it needs models.draft")
+        return self
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools this cluster runs: a router and a target pool, and a draft pool with a draft model."""
+        return ("router", "draft", "target") if self.models.draft is not None else ("router", "target")
+
 
 class ConfigError(Exception):
     """cluster.yaml is unreadable or invalid; ``problems`` holds one line per problem."""
@@ -364,7 +397,7 @@ def _resolve_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
         return spec.model_copy(update={"path": (base / spec.path).resolve(),
                                        "compile_cache_dir": (base / cache).resolve() if cache else None})
 
-    models = ModelsConfig(target=resolved(config.models.target), draft=resolved(config.models.draft))
+    models = ModelsConfig(**{role: resolved(spec) for role, spec in config.models.specs().items()})
     keys_file = config.server.api_keys_file
     if keys_file is not None and not keys_file.is_absolute():
         server = config.server.model_copy(update={"api_keys_file": (base / keys_file).resolve()})
@@ -375,8 +408,7 @@ def _resolve_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
 def _model_problems(config: ClusterConfig) -> list[str]:
     """Missing folders, and target/draft pairs that cannot work together."""
     problems, shapes = [], {}
-    for role in ("target", "draft"):
-        spec: ModelSpec = getattr(config.models, role)
+    for role, spec in config.models.specs().items():
         config_file = spec.path / "config.json"
         if config_file.is_file():
             shapes[role] = _model_shape(config_file)

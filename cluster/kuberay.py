@@ -82,7 +82,7 @@ def ray_cluster_spec(config: ClusterConfig, serve_probes: bool) -> dict:
         "autoscalerOptions": {"upscalingMode": "Default", "idleTimeoutSeconds": 120},
         "headGroupSpec": {"rayStartParams": head_params,
                           "template": _pod("ray-head", k8s, k8s.head, 2, 0, serve_probes, head=True)},
-        "workerGroupSpecs": [_worker_group(config, pool, serve_probes) for pool in _POOLS],
+        "workerGroupSpecs": [_worker_group(config, pool, serve_probes) for pool in _POOLS if pool in config.pool_names],
     }
 
 

@@ -46,7 +46,7 @@ def deploy(config: ClusterConfig) -> str:
     from cluster.app import APP_NAME, build_app
 
     _check_placement(config)
-    compiled = [role for role in ("target", "draft") if getattr(config.models, role).compile == "on"]
+    compiled = [role for role, spec in config.models.specs().items() if spec.compile == "on"]
     if compiled:
         print(f"  compiling the {' and '.join(compiled)} forward at replica start (models.*.compile: on; "
               "a minute or more per model, less with inductor's cache warm)", flush=True)

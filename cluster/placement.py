@@ -39,7 +39,7 @@ def shortfalls(config: ClusterConfig, nodes: list[NodeResources]) -> list[Shortf
     """The pools that the nodes (their total resources) cannot host in full."""
     free = [dict(node) for node in nodes]
     found = []
-    for name in _POOLS:
+    for name in (name for name in _POOLS if name in config.pool_names):
         pool = getattr(config.pools, name)
         need = _replica_needs(pool.resources, getattr(pool, "tp_size", 1))
         wanted = pool.initial_replicas          # what must start; autoscaling may want more later

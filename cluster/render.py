@@ -30,8 +30,8 @@ def cluster_data(config: ClusterConfig, raw: dict, models_dir: str | None = None
     """The cluster config as the application's args: the raw YAML mapping with the model
     paths the cluster's nodes will see (absolute, under models_dir, or relative to models_uri)."""
     data = copy.deepcopy(raw)
-    for role in ("target", "draft"):
-        resolved = getattr(config.models, role).path
+    for role, spec in config.models.specs().items():
+        resolved = spec.path
         path = (str(Path(models_dir) / resolved.name) if models_dir else
                 resolved.name if models_uri else str(resolved))
         data["models"][role]["path"] = path

@@ -212,7 +212,9 @@ class SpeculationLoop:
         # DeploymentHandles of the pools, by value: a call goes to the replica directly
         # instead of through the object store, 4.96 -> 3.75 ms median per call here
         # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
-        self.pools = {"draft": draft.options(_by_reference=False), "target": target.options(_by_reference=False)}
+        # No draft pool (draft None): the cluster drafts by lookup only.
+        self.pools = {pool: handle.options(_by_reference=False)
+                      for pool, handle in (("draft", draft), ("target", target)) if handle is not None}
         # Faster still: the calls of a round over direct channels to the same replicas (about
         # 0.75 ms against 4.3-4.8 ms a handle call, docs/BENCHMARKS.md); handles carry the rest.
         self.routes = DirectRoutes(channel_key, self._channel_address) if channel_key is not None else None
@@ -432,7 +434,7 @@ class SpeculationLoop:
                 self._load_profiles(), context=contextvars.Context())
 
     async def _load_profiles(self) -> None:
-        for pool in ("draft", "target"):
+        for pool in self.pools:
             try:
                 state = await _within(self.pools[pool].describe.remote(), 30.0)
                 self.control.prior.profiles[pool] = CostProfile.from_describe(state)
@@ -541,7 +543,7 @@ class SpeculationLoop:
         """Free the sequence's caches; not awaited, since nothing depends on it. Sent from a
         fresh context: Serve cancels the calls a cancelled request (a client that went away)
         makes, and these are made as it unwinds."""
-        for pool in pools:
+        for pool in (pool for pool in pools if pool in self.pools):
             try:
                 contextvars.Context().run(self._lane_handle(pool, lane).release.remote, seq_id)
             except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)

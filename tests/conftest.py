@@ -49,11 +49,13 @@ def zoo(tmp_path_factory) -> ModelZoo:
     )
 
 
-def cluster_config(target: Path, draft: Path, **sections) -> ClusterConfig:
-    """A small test cluster: every replica on a tenth of a CPU, overlapped drafting on."""
+def cluster_config(target: Path, draft: Path | None, **sections) -> ClusterConfig:
+    """A small test cluster: every replica on a tenth of a CPU, overlapped drafting on. No
+    draft model (draft None): no draft pool, prompt lookup only."""
     small = {"resources": {"num_cpus": 0.1}}
+    models = {"target": {"path": str(target)}, **({"draft": {"path": str(draft)}} if draft is not None else {})}
     data = {
-        "models": {"target": {"path": str(target)}, "draft": {"path": str(draft)}},
+        "models": models,
         "pools": {"router": small, "draft": small, "target": small},
         "limits": {"max_tokens": 256, "default_max_tokens": 16, "context_length": 512},
         # Overlapped drafting fixed on (it is off by default): every exactness,

@@ -104,6 +104,8 @@ def _vllm_servers(args: argparse.Namespace, config: ClusterConfig):
 
     if not args.vllm_serve:
         return contextlib.nullcontext({})
+    if config.models.draft is None:
+        raise SystemExit("--vllm-serve speculates with the config's draft model, and models.draft is left out")
     return vllm_servers(args.vllm_serve, config.models.target.path, config.models.draft.path,
                         args.k or config.speculation.k, config.limits.context_length,
                         args.out.parent / f"{args.out.stem}-vllm-logs")
@@ -123,7 +125,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     prompts = held_out_prompts(tokenizer, max(args.num_requests, max(args.concurrency)), args.prompt_tokens)
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     # The draft pool's modes name their method: a server's default may be another (cluster.yaml: ngram).
-    pool = {"method": "draft_model"}
+    # Without a draft pool they draft by lookup.
+    pool = {"method": "draft_model" if config.models.draft is not None else "ngram"}
     speculative = Workload(url, model, prompts, args.max_tokens, {"k": k, **pool})
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
     if "ngram" in config.speculation.methods:   # prompt lookup in the router, no draft calls
@@ -168,7 +171,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         "prompt_tokens": args.prompt_tokens,
         "closed_loop": closed, "open_loop": opened, "ideal": ideal,
         "hf_assisted": _hf(config, prompts[:args.hf_prompts], args.max_tokens, k, tokenizer.eos_token_id),
-        "vllm": compare(vllm_python(args.vllm_python), config.models.target.path, config.models.draft.path,
+        "vllm": "skipped: no draft model" if config.models.draft is None else
+                compare(vllm_python(args.vllm_python), config.models.target.path, config.models.draft.path,
                         prompts[:args.vllm_prompts], args.max_tokens, k, args.concurrency),
     }
     report["summary"] = {
@@ -277,7 +281,9 @@ def _spread(values: list[float]) -> float:
 def _ideal(config: ClusterConfig, spec: dict, k: int, context: int) -> dict:
     from cluster.bench.baselines import decode_step_ms, ideal_speedup
 
-    target_ms, draft_ms = decode_step_ms([config.models.target.path, config.models.draft.path], context)
+    # lookup drafts (no draft model) cost nothing: the ideal is the tokens a round
+    paths = [spec.path for spec in config.models.specs().values()]
+    target_ms, draft_ms = (decode_step_ms(paths, context) + [0.0])[:2]
     ratio = draft_ms / target_ms
     return {"target_step_ms": round(target_ms, 3), "draft_step_ms": round(draft_ms, 3),
             "cost_ratio": round(ratio, 4), "tokens_per_round": spec["tokens_per_round"],
@@ -291,6 +297,8 @@ def _hf(config: ClusterConfig, prompts: list[list[int]], max_tokens: int, k: int
 
     if not prompts:
         return "skipped: --hf-prompts 0"
+    if config.models.draft is None:
+        return "skipped: no draft model"
     result = hf_assisted_generation(config.models.target.path, config.models.draft.path, prompts, max_tokens, k, eos)
     return asdict(result)
 
