@@ -42,6 +42,10 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
         assert spec["failed"] == alone["failed"] == 0
         assert spec["output_tokens"] == alone["output_tokens"] > 0   # greedy: the same tokens
         assert spec["tokens_per_round"] > 1
+        # drafts by kind: the draft pool's in the draft_model modes, lookup's in the ngram mode
+        lookup = run["ngram"]["by_kind"]
+        assert spec["by_kind"]["draft_model"]["drafted_tokens"] > 0 and spec["by_kind"]["ngram"]["drafted_tokens"] == 0
+        assert lookup["ngram"]["drafted_tokens"] > 0 and lookup["draft_model"]["drafted_tokens"] == 0
         assert 1 < alone["tokens_per_round"] <= 4     # several target steps per call (pools.target.decode_steps)
         assert 0 < spec["acceptance_rate"] <= 1 and alone["acceptance_rate"] == 0
         assert spec["mean_verify_batch"] >= 1 and spec["coordination_ms_per_round"] >= 0

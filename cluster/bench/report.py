@@ -52,7 +52,23 @@ def summarize(phase: PhaseResult) -> dict:
         **{key: round(per_round(key), 3) for key in ("hop_ms_per_round", "replica_wait_ms_per_round",
                                                      "router_ms_per_round", "lookahead_hit_rate",
                                                      "draft_hidden_share")},
+        "by_kind": _by_kind(spec),
     }
+
+
+def _by_kind(spec: list[dict]) -> dict:
+    """Rounds that drafted, drafted and accepted tokens, and acceptance, by where the drafts
+    came from (the draft pool's model, prompt lookup), summed over the phase's requests."""
+    kinds: dict[str, dict] = {}
+    for counts in (s.get("by_kind", {}) for s in spec):
+        for kind, fields in counts.items():
+            total = kinds.setdefault(kind, {"rounds": 0, "drafted_tokens": 0, "accepted_tokens": 0})
+            for field in total:
+                total[field] += fields[field]
+    for total in kinds.values():
+        drafted = total["drafted_tokens"]
+        total["acceptance_rate"] = round(total["accepted_tokens"] / drafted, 4) if drafted else 0.0
+    return kinds
 
 
 COLUMNS = [("concurrency", "C", "{}"), ("mode", "mode", "{}"), ("output_tokens_per_s", "tok/s", "{:.1f}"),
