@@ -363,6 +363,9 @@ class ClusterConfig(Strict):
                                  "is left out (without it, speculation.method and methods may be ngram only)")
             if self.pools.target.engine == "vllm":
                 raise ValueError("pools.target.engine: vllm drafts from the draft pool; it needs models.draft")
+        if self.pools.target.engine == "vllm" and self.speculation.method != "draft_model":
+            raise ValueError(f"speculation.method: {self.speculation.method} is not served with "
+                             "pools.target.engine: vllm, which drafts from the draft pool itself")
         return self
 
     @property
