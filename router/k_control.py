@@ -126,20 +126,22 @@ def level_name(level: int) -> str:
 class Measure:
     """Sums over a window's rounds: the whole ones by their drafts verified (each yields E(k)
     tokens, read from the keep chances when the window is, so that windows compared use the
-    same E), the tokens of rounds cut short, all rounds, the adaptive ones among them, their
+    same E), the tokens of rounds cut short or without drafts, all rounds, the adaptive ones among them, their
     ms (the level's round time), and the window's wall seconds."""
     whole: dict[int, float] = field(default_factory=dict)
-    cut_tokens: float = 0.0
+    counted_tokens: float = 0.0
     rounds: float = 0.0
     adaptive: float = 0.0
     ms: float = 0.0
     seconds: float = 0.0
 
     def add(self, drafted: int, whole: bool, tokens: int, ms: float, adaptive: bool) -> None:
-        if whole:
+        # A round without drafts yields what its single-token steps made (one, or up to
+        # pools.target.decode_steps): no chance in it, so its own count, not E(0) = 1.
+        if whole and drafted:
             self.whole[drafted] = self.whole.get(drafted, 0.0) + 1
         else:
-            self.cut_tokens += tokens
+            self.counted_tokens += tokens
         self.rounds += 1
         self.adaptive += adaptive
         self.ms += ms
@@ -156,14 +158,14 @@ class Measure:
 
     def tokens_per_s(self, keep: KeepChances) -> float:
         """Tokens per second of wall time across the router's sequences."""
-        tokens = self.cut_tokens + sum(n * keep.expected_tokens(k) for k, n in self.whole.items())
+        tokens = self.counted_tokens + sum(n * keep.expected_tokens(k) for k, n in self.whole.items())
         return tokens / self.seconds if self.seconds > 0 else 0.0
 
     def round_ms(self) -> float:
         return self.ms / self.rounds if self.rounds else 0.0
 
 
-_SUMS = ("cut_tokens", "rounds", "adaptive", "ms", "seconds")   # Measure's fields after `whole`
+_SUMS = ("counted_tokens", "rounds", "adaptive", "ms", "seconds")   # Measure's fields after `whole`
 
 
 @dataclass
@@ -448,15 +450,20 @@ class KController:
 
     def observe(self, level: int, drafted: int, accepted: int, round_ms: float, model_ms: float,
                 in_flight: int, adaptive: bool, whole: bool, now: float | None = None,
-                tokens: int | None = None) -> None:
+                tokens: int | None = None, mine: bool = True) -> None:
         """A finished round at `level` that verified `drafted` drafts and yielded `tokens`
         (accepted + 1 unless its call ran further single-token steps); `whole` is false where
-        the request's end cut its k short (it counts what it yielded, not E(k))."""
-        if drafted:
+        the request's end cut its k short (it counts what it yielded, not E(k)). `mine`:
+        its drafts were of the kind this controller chooses k for (a router keeps one for
+        the draft pool's drafts and one for lookup drafts); another kind's round shares the
+        machine, so it counts in the level's window, with its own tokens, but moves no climb
+        and no keep chance."""
+        if mine and drafted:
             self.keep.observe(drafted, accepted)
-        self.prior.observe(bool(drafted), round_ms, model_ms)
-        self.climb(level).observe(drafted, whole, accepted + 1 if tokens is None else tokens, round_ms, adaptive,
-                                  in_flight, time.monotonic() if now is None else now)
+        if mine:
+            self.prior.observe(bool(drafted), round_ms, model_ms)
+        self.climb(level).observe(drafted, whole and mine, accepted + 1 if tokens is None else tokens, round_ms,
+                                  adaptive and mine, in_flight, time.monotonic() if now is None else now)
 
     def _start_for(self, level: int) -> Arm:
         """A level's first arm: the choice of the nearest level known, one step down the

@@ -266,8 +266,9 @@ def test_a_measure_is_tokens_per_wall_second_with_e_k_for_whole_rounds():
     for _ in range(100):
         window.add(4, True, 5, 10.0, True)    # E(4) = 2 tokens a round, whatever each yielded
     window.add(4, False, 3, 10.0, True)       # cut short by the request's end: its own 3
+    window.add(0, True, 4, 10.0, True)        # no drafts, a call of 4 single-token steps: its own 4
     window.seconds = 0.5
-    assert window.tokens_per_s(keep) == pytest.approx((100 * 2 + 3) / 0.5, rel=0.01)
+    assert window.tokens_per_s(keep) == pytest.approx((100 * 2 + 3 + 4) / 0.5, rel=0.01)
     assert window.round_ms() == pytest.approx(10.0)
     assert (window + window).tokens_per_s(keep) == pytest.approx(window.tokens_per_s(keep))
     assert window.scaled(0.5).tokens_per_s(keep) == pytest.approx(window.tokens_per_s(keep))
@@ -284,3 +285,37 @@ def test_fixed_k_rounds_move_no_climb():
     climb = control.climb(level)
     assert climb.rounds > 600 and climb.incumbent == Arm(4)
     assert not climb.table and not climb.windows and climb.running == Arm(4)
+
+
+def test_another_kinds_rounds_move_neither_its_climb_nor_its_keep_chances():
+    """A router keeps one choice for the draft pool's drafts and one for lookup drafts: the
+    rounds of one kind share the machine with the other's choice but teach it nothing."""
+    control = controller()
+    cluster = compute_bound(seed=2)
+    before = control.keep.chances()
+    level = control.note_load(1)
+    for _ in range(2000):
+        tokens, ms = cluster.round(Arm(2), 1)
+        control.observe(level, 2, 2, ms, 0.0, 1, adaptive=True, whole=True, now=cluster.clock, mine=False)
+    climb = control.climb(level)
+    assert control.keep.chances() == before
+    assert climb.rounds == 0 and not climb.table and climb.incumbent == Arm(4)
+
+
+def test_a_target_alone_that_runs_several_steps_a_call_is_chosen_where_it_is_faster():
+    """k = 0 rounds of 4 single-token steps (pools.target.decode_steps) yield 4 tokens for
+    little more than a step's time: the choice must count them as 4, not as E(0) = 1."""
+    control = controller(start_k=2)
+    cluster = compute_bound(seed=3)
+    level = control.note_load(8)
+    for _ in range(40000):
+        arm = control.choose(level, cap=64)
+        if arm.k == 0:      # a call of 4 steps: 4 tokens, about 1.6 steps' time at 8 rows
+            ms = cluster.mean_ms(Arm(0), 8) * 1.6 * math.exp(cluster.rng.gauss(0, 0.2))
+            cluster.clock += ms / 8 / 1000
+            tokens = 4
+        else:
+            tokens, ms = cluster.round(arm, 8)
+        control.observe(level, arm.k, tokens - 1, ms, 0.0, 8, adaptive=True, whole=True, now=cluster.clock,
+                        tokens=tokens)
+    assert control.climb(level).incumbent == Arm(0)
