@@ -254,18 +254,24 @@ class SpeculationConfig(Strict):
     k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off; with adaptive on, one of "
                                         "the k tried, and where the first load level starts until the "
                                         "replicas' cost profiles are known.")
-    method: Literal["draft_model", "ngram", "hybrid"] = Field(
+    method: Literal["draft_model", "ngram", "suffix", "hybrid"] = Field(
         "draft_model", description="Where drafts come from unless a request picks: the draft pool's model; "
                                    "`ngram`, prompt lookup in the router (the continuation of the latest earlier "
                                    "occurrence of the sequence's last 1-4 tokens, router/lookup.py: no draft "
-                                   "call); `hybrid`, lookup in rounds where a suffix of at least "
+                                   "call); `suffix`, the longer match of the sequence's own tokens (up to 8) "
+                                   "and the router's recent outputs of other requests (router/suffix.py); "
+                                   "`hybrid`, lookup in rounds where a suffix of at least "
                                    "hybrid_min_ngram tokens matched, the draft pool in the others. Lookup "
                                    "with the Hugging Face target engine only.")
-    methods: list[Literal["draft_model", "ngram", "hybrid"]] = Field(
-        default_factory=lambda: ["draft_model", "ngram", "hybrid"],
+    methods: list[Literal["draft_model", "ngram", "suffix", "hybrid"]] = Field(
+        default_factory=lambda: ["draft_model", "ngram", "suffix", "hybrid"],
         description="The methods a request may pick (`speculation.method` in its body); `method` is one of them.")
     hybrid_min_ngram: int = Field(2, ge=1, le=4, description="A hybrid round drafts by lookup when a suffix of the "
                                                              "sequence this long occurred earlier in it.")
+    suffix_cache_tokens: int = Field(65536, ge=0, description="Tokens of finished requests' outputs each router "
+                                                              "keeps for suffix drafts (oldest evicted first; "
+                                                              "its index holds up to 8 entries a token); 0: "
+                                                              "suffix drafts from the sequence's own tokens only.")
     lookup_fallback: bool = Field(True, description="A round whose draft pool failed or is late drafts by prompt "
                                                     "lookup (exact, like any draft) before going on with the "
                                                     "target alone.")
@@ -285,6 +291,8 @@ class SpeculationConfig(Strict):
             raise ValueError(f"speculation.method {self.method!r} is not among speculation.methods {self.methods}")
         return self
 
+
+_LOOKUP_METHODS = ("ngram", "suffix")   # drafts made in the router, with no draft model
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"
 
@@ -346,21 +354,22 @@ class ClusterConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def lookup_without_a_draft_model(cls, data):
-        """Without a draft model, unless the file names them, method and methods are ngram."""
+        """Without a draft model, unless the file names them, method is ngram and methods the
+        drafts that need no draft model."""
         models, spec = (data.get("models"), data.get("speculation", {})) if isinstance(data, dict) else (None, None)
         if isinstance(models, dict) and models.get("draft") is None and isinstance(spec, dict):
             method = spec.get("method", "ngram")
-            return {**data, "speculation": {"method": method, "methods": [method], **spec}}
+            return {**data, "speculation": {"method": method, "methods": sorted({method, *_LOOKUP_METHODS}), **spec}}
         return data
 
     @model_validator(mode="after")
     def draft_pool_methods_have_a_draft_model(self):
         if self.models.draft is None:
             spec = self.speculation
-            needing = sorted({spec.method, *spec.methods} - {"ngram"})
+            needing = sorted({spec.method, *spec.methods} - set(_LOOKUP_METHODS))
             if needing:
                 raise ValueError(f"speculation: {', '.join(needing)} drafts from the draft pool, and models.draft "
-                                 "is left out (without it, speculation.method and methods may be ngram only)")
+                                 "is left out (without it, speculation.method and methods may be ngram and suffix only)")
             if self.pools.target.engine == "vllm":
                 raise ValueError("pools.target.engine: vllm drafts from the draft pool; it needs models.draft")
         if self.pools.target.engine == "vllm" and self.speculation.method != "draft_model":

@@ -172,8 +172,9 @@ class Admission:
                               "speculation.method")
         if not (spec.enabled and wanted):
             return {"k": 0, "adaptive": False, "overlap": False}
-        if method == "ngram":      # free drafts: the k asked for, nothing drafted ahead
-            return {"k": fixed or spec.k, "adaptive": False, "overlap": False, "method": method}
+        if method in ("ngram", "suffix"):   # free drafts, nothing to draft ahead; k by lookup's own measured choice
+            return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": False,
+                    "method": method}
         asked = options.overlap if options is not None else None
         overlap = spec.overlap if asked is None or spec.overlap is False else asked
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap, "method": method}

@@ -164,14 +164,17 @@ class Router:
                                     channel_key if pools.router.direct_calls else None,
                                     engine_rounds=pools.target.engine == "vllm",
                                     decode_steps=pools.target.decode_steps,
-                                    lookup=LookupOptions(spec.k, spec.hybrid_min_ngram, spec.lookup_fallback))
+                                    lookup=LookupOptions(spec.k, spec.hybrid_min_ngram, spec.lookup_fallback),
+                                    suffix_cache_tokens=spec.suffix_cache_tokens if "suffix" in spec.methods else 0)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
 
     def _refresh_gauges(self) -> None:
         self.metrics.gate(self.gate.running, self.gate.queued)
-        self.metrics.adaptive(self.loop.control.describe())
+        self.metrics.adaptive(self.loop.control.describe(), "draft_model")
+        for method, control in self.loop.lookup_controls.items():
+            self.metrics.adaptive(control.describe(), method)
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -208,7 +211,9 @@ class Router:
         return {"pid": os.getpid(), "running": self.gate.running, "queued": self.gate.queued,
                 "refused": self.gate.refused, "drafts_available": self.loop.drafts.available,
                 "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences(),
-                "adaptive": self.loop.control.describe(), "totals": self.metrics.totals.as_dict(),
+                "adaptive": self.loop.control.describe(), "adaptive_lookup": {method: control.describe() for method, control in self.loop.lookup_controls.items()},
+                "suffix_cache": self.loop.outputs.describe() if self.loop.outputs is not None else None,
+                "totals": self.metrics.totals.as_dict(),
                 "call_paths": dict(self.loop.call_paths),
                 "node_id": ray.get_runtime_context().get_node_id()}
 

@@ -9,8 +9,9 @@ speculative | lookup | target_only | fallback}, drafted_tokens_total, accepted_t
 generated_tokens_total, cache_rebuilds_total{pool}, tokens_per_round, k (the k each round
 asked for), verify_batch_size and draft_batch_size (sequences in the forward pass that
 served a round), ttft_seconds, inter_token_seconds, router_requests{state: running |
-queued}, adaptive_k{level} (the k the measured choice keeps at each load level, and for
-level "current" the k adaptive rounds use now), adaptive_goodput_tokens_per_s{level, arm} (the
+queued}, adaptive_k{level, drafts} (the k the measured choice keeps at each load level, and
+for level "current" the k adaptive rounds use now; drafts: draft_model for the draft pool's
+requests, ngram for lookup requests'), adaptive_goodput_tokens_per_s{level, arm, drafts} (the
 throughput measured for each arm tried at each level, router/k_control.py).
 """
 
@@ -49,10 +50,10 @@ class RouterMetrics:
         self.router_requests = Gauge("specserve_router_requests", "Generation requests at this router "
                                      "replica", tag_keys=("state",))
         self.adaptive_k = Gauge("specserve_adaptive_k", "The k this router's adaptive rounds keep at a load "
-                                "level (level 'current': the k they use now)", tag_keys=("level",))
+                                "level (level 'current': the k they use now)", tag_keys=("level", "drafts"))
         self.adaptive_goodput = Gauge("specserve_adaptive_goodput_tokens_per_s", "Tokens per second this router "
                                       "measured across its sequences for an arm (k, overlap) at a load level",
-                                      tag_keys=("level", "arm"))
+                                      tag_keys=("level", "arm", "drafts"))
         self.totals = Totals()
 
     def round(self, k: int, drafts: int, verification, proposal, fallback: bool, rebuilt: dict[str, bool],
@@ -95,13 +96,14 @@ class RouterMetrics:
         self.router_requests.set(running, tags={"state": "running"})
         self.router_requests.set(queued, tags={"state": "queued"})
 
-    def adaptive(self, state: dict) -> None:
-        """The measured choice's state, as KController.describe() gives it."""
-        self.adaptive_k.set(state["k"], tags={"level": "current"})
+    def adaptive(self, state: dict, drafts: str) -> None:
+        """A measured choice's state, as KController.describe() gives it; `drafts`: the
+        method whose k it chooses."""
+        self.adaptive_k.set(state["k"], tags={"level": "current", "drafts": drafts})
         for level, climb in state["levels"].items():
-            self.adaptive_k.set(climb["k"], tags={"level": level})
+            self.adaptive_k.set(climb["k"], tags={"level": level, "drafts": drafts})
             for arm, tokens_per_s in climb["tokens_per_s"].items():
-                self.adaptive_goodput.set(tokens_per_s, tags={"level": level, "arm": arm})
+                self.adaptive_goodput.set(tokens_per_s, tags={"level": level, "arm": arm, "drafts": drafts})
 
 
 def _add(counter: Counter, amount: int) -> None:

@@ -22,7 +22,7 @@ class _Body(BaseModel):
 class SpeculationOptions(_Body):
     enabled: bool | None = Field(None, description="False: the target alone (the baseline).")
     k: int | None = Field(None, ge=1, description="Draft tokens per round for this request.")
-    method: Literal["draft_model", "ngram", "hybrid"] | None = Field(
+    method: Literal["draft_model", "ngram", "suffix", "hybrid"] | None = Field(
         None, description="Where this request's drafts come from, among the server's speculation.methods.")
     overlap: bool | None = Field(None, description="True or false: drafting of the next window during verification "
                                                    "on or off, whatever the router's auto choice (never on where the "

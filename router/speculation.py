@@ -39,6 +39,7 @@ from router.goodput import CostProfile
 from router.k_control import Arm, KController
 from router.lookahead import Drafts, lookahead_size, usable_drafts
 from router.lookup import LookupOptions, lookup_drafts, lookup_match
+from router.suffix import OutputCache, suffix_drafts
 from router.routing import lane_of
 from router.text import IncrementalDetokenizer, StopStringFilter
 
@@ -85,6 +86,7 @@ class Generation:
     prompt_logprobs: int | None = None   # the prompt's too (echo), from the first verify's rows
     echo: str | None = None              # the text a completion starts with (the prompt's, echoed)
     method: str = "draft_model"          # drafts from the draft pool, "ngram": prompt lookup (router/lookup.py),
+                                         # "suffix": lookup in the sequence and recent outputs (router/suffix.py),
                                          # "hybrid": lookup where its match is long enough, else the pool
 
     def ends_on(self, eos_token_ids: set[int]) -> set[int]:
@@ -120,10 +122,14 @@ class SpeculationStats:
     lookahead_hits: int = 0
     draft_ms: float = 0.0
     hidden_draft_ms: float = 0.0
-    # Rounds whose drafts came from prompt lookup (router/lookup.py), their drafts and those kept.
+    # Rounds whose drafts came from prompt lookup (router/lookup.py), their drafts and those kept;
+    # the same for suffix drafts (router/suffix.py).
     lookup_rounds: int = 0
     lookup_drafted_tokens: int = 0
     lookup_accepted_tokens: int = 0
+    suffix_rounds: int = 0
+    suffix_drafted_tokens: int = 0
+    suffix_accepted_tokens: int = 0
 
     @classmethod
     def total(cls, parts: list["SpeculationStats"]) -> "SpeculationStats":
@@ -155,10 +161,14 @@ class SpeculationStats:
     def _by_kind(self) -> dict:
         """Rounds that drafted, drafts and accepted drafts, by where the drafts came from."""
         return {"draft_model": {"rounds": self.draft_rounds,
-                                "drafted_tokens": self.drafted_tokens - self.lookup_drafted_tokens,
-                                "accepted_tokens": self.accepted_tokens - self.lookup_accepted_tokens},
+                                "drafted_tokens": self.drafted_tokens - self.lookup_drafted_tokens
+                                - self.suffix_drafted_tokens,
+                                "accepted_tokens": self.accepted_tokens - self.lookup_accepted_tokens
+                                - self.suffix_accepted_tokens},
                 "ngram": {"rounds": self.lookup_rounds, "drafted_tokens": self.lookup_drafted_tokens,
-                          "accepted_tokens": self.lookup_accepted_tokens}}
+                          "accepted_tokens": self.lookup_accepted_tokens},
+                "suffix": {"rounds": self.suffix_rounds, "drafted_tokens": self.suffix_drafted_tokens,
+                           "accepted_tokens": self.suffix_accepted_tokens}}
 
 
 @dataclass
@@ -201,11 +211,15 @@ class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
                  control: KController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
                  channel_key: bytes | None = None, engine_rounds: bool = False, decode_steps: int = 1,
-                 lookup: LookupOptions | None = None):
+                 lookup: LookupOptions | None = None, suffix_cache_tokens: int = 0):
         """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
         draft pool on its own, replicas/engines/vllm/target.py): a request streams from it.
         decode_steps: single-token steps one target call runs for a round without drafts.
-        lookup: how prompt lookup drafts (router/lookup.py) in hybrid and fallback rounds."""
+        lookup: how prompt lookup drafts (router/lookup.py) in hybrid and fallback rounds.
+        control: the measured choice of k for the draft pool's drafts; lookup requests' have
+        one per method, with the same bounds (their keep chances and best k differ: a lookup
+        draft costs no draft call).
+        suffix_cache_tokens: the finished outputs kept for suffix drafts (router/suffix.py)."""
         self.engine_rounds = engine_rounds
         self.decode_steps = decode_steps
         self.lookup = lookup or LookupOptions()
@@ -227,6 +241,9 @@ class SpeculationLoop:
                                      abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
         self.drafts = DraftAvailability(self._probe_drafts, timeouts.draft_s)
         self.control = control
+        self.lookup_controls = {method: KController(control.min_k, control.max_k, control.start.k)
+                                for method in ("ngram", "suffix")}
+        self.outputs = OutputCache(suffix_cache_tokens) if suffix_cache_tokens else None
         self.metrics = metrics            # router/metrics.py RouterMetrics, or None
         self._profiles_task: asyncio.Task | None = None
         self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
@@ -263,6 +280,8 @@ class SpeculationLoop:
             self.gatherer.finish(lane, seq_id)
             self._retries.pop(seq_id, None)
             self._release(lane, seq_id, "draft", "target")
+            if self.outputs is not None and not self.engine_rounds:
+                self.outputs.add(gen.prompt_ids, tokens[len(gen.prompt_ids):])
             if ahead.task is not None:   # it would cache the sequence again on the draft replica
                 ahead.task.add_done_callback(lambda _: self._release(lane, seq_id, "draft"))
             await chunks.aclose()        # an engine's stream: abort the request there now
@@ -303,8 +322,10 @@ class SpeculationLoop:
             # The last token needs no draft: free the draft pool's cache now.
             self._release(lane, seq_id, "draft")
         in_flight = len(self._running)
-        level = self.control.note_load(in_flight)
-        arm, whole = self._arm(gen, cap, level)
+        levels = {id(control): control.note_load(in_flight) for control in self._controls()}
+        control = self._control_of(gen)
+        level = levels[id(control)]
+        arm, whole = self._arm(gen, control, cap, level)
         k, overlap = arm.k, arm.overlap
         stats.k_chosen += k
         fallbacks_before = stats.fallback_rounds
@@ -313,7 +334,9 @@ class SpeculationLoop:
             drafts, probs, proposal = ready.tokens, ready.probs, None   # drafted off this round's path
         else:
             drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats, max(cap, 0))
-        looked_up = bool(drafts) and ready is None and proposal is None   # model drafts come with a proposal
+        # model drafts come with a proposal; a suffix request's drafts are all suffix drafts
+        looked_up = bool(drafts) and ready is None and proposal is None
+        kind = ("suffix" if gen.method == "suffix" else "ngram") if looked_up else "draft_model"
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
@@ -337,18 +360,30 @@ class SpeculationLoop:
         stats.rounds += 1
         stats.drafted_tokens += len(drafts)
         stats.accepted_tokens += verdict.accepted
-        if looked_up:
+        if kind == "ngram":
             stats.lookup_rounds += 1
             stats.lookup_drafted_tokens += len(drafts)
             stats.lookup_accepted_tokens += verdict.accepted
+        elif kind == "suffix":
+            stats.suffix_rounds += 1
+            stats.suffix_drafted_tokens += len(drafts)
+            stats.suffix_accepted_tokens += verdict.accepted
         stats.verify_batch_rows += verdict.batch_rows
         stats.model_ms += verdict.model_ms
         round_ms = (time.perf_counter() - started) * 1000
         stats.round_ms += round_ms
         stats.retried_calls = self._retries[seq_id]
-        self.control.observe(level, len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
-                             adaptive=gen.adaptive, whole=whole, tokens=len(verdict.tokens))
+        for each in self._controls():
+            each.observe(levels[id(each)], len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
+                         adaptive=gen.adaptive, whole=whole, tokens=len(verdict.tokens), mine=each is control)
         return verdict
+
+    def _controls(self) -> list[KController]:
+        return [self.control, *self.lookup_controls.values()]
+
+    def _control_of(self, gen: Generation) -> KController:
+        """The measured choice this request's k follows: its lookup method's for lookup requests."""
+        return self.lookup_controls.get(gen.method, self.control)
 
     def _plain_steps(self, drafts: list[int], cap: int, round_index: int) -> int:
         """Forward passes a round without drafts asks the target for (VerifyRequest.steps):
@@ -358,18 +393,18 @@ class SpeculationLoop:
             return 1
         return max(1, min(self.decode_steps, cap + 1))
 
-    def _arm(self, gen: Generation, cap: int, level: int) -> tuple[Arm, bool]:
+    def _arm(self, gen: Generation, control: KController, cap: int, level: int) -> tuple[Arm, bool]:
         """This round's k and overlap: the request's, or the router's measured choice at this
         load level (router/k_control.py); and whether the request's end left the k whole."""
         if gen.adaptive:
-            chosen = self.control.choose(level, self.control.max_k)
+            chosen = control.choose(level, control.max_k)
             k, whole = min(chosen.k, cap), chosen.k <= cap
-            if not self.control.prior.ready:
+            if control is self.control and not control.prior.ready:
                 self._fetch_profiles()
         else:
             chosen, k, whole = None, min(gen.k, cap), gen.k <= cap
         if gen.overlap == "auto":
-            overlap = (chosen or self.control.choose(level, self.control.max_k)).overlap
+            overlap = (chosen or control.choose(level, control.max_k)).overlap
         else:
             overlap = bool(gen.overlap)
         return Arm(k, overlap and k > 0), whole
@@ -455,6 +490,8 @@ class SpeculationLoop:
             return [], None, None
         if gen.method == "ngram":
             return lookup_drafts(tokens, k), None, None
+        if gen.method == "suffix":
+            return suffix_drafts(tokens, k, self.outputs), None, None
         if not self.drafts.available:
             stats.fallback_rounds += 1
             return self._fallback_drafts(tokens, k), None, None

@@ -23,11 +23,13 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     assert code == 0
     report = json.loads(out.read_text())
     assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
-    fixed = ["adaptive", "speculative", "target_only", "ngram", "hybrid", "overlap", "no_overlap"]   # overlap may be on
+    fixed = ["adaptive", "speculative", "target_only", "ngram", "suffix", "hybrid", "ngram_adaptive",
+             "suffix_adaptive", "overlap", "no_overlap"]   # overlap may be on
     for run in report["closed_loop"]:             # the sweep at every concurrency
         assert run["modes"] == fixed + ["k=2"]
-    choices = report["closed_loop"][0]["adaptive"]["choice_after_each_run"]   # the router's, after each run
-    assert len(choices) == 2 and all(set(c) >= {"choice", "settled_after_rounds", "tokens_per_s"} for [c] in choices)
+    for mode in ("adaptive", "ngram_adaptive", "suffix_adaptive"):   # the router's choice for each, after each run
+        choices = report["closed_loop"][0][mode]["choice_after_each_run"]
+        assert len(choices) == 2 and all(set(c) >= {"choice", "settled_after_rounds", "tokens_per_s"} for [c] in choices)
     for run in report["closed_loop"]:
         assert run["no_overlap"]["lookahead_hit_rate"] == run["no_overlap"]["draft_hidden_share"] == 0.0
     for run in report["closed_loop"]:
@@ -46,6 +48,8 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
         lookup = run["ngram"]["by_kind"]
         assert spec["by_kind"]["draft_model"]["drafted_tokens"] > 0 and spec["by_kind"]["ngram"]["drafted_tokens"] == 0
         assert lookup["ngram"]["drafted_tokens"] > 0 and lookup["draft_model"]["drafted_tokens"] == 0
+        suffix = run["suffix"]["by_kind"]
+        assert suffix["suffix"]["drafted_tokens"] > 0 == suffix["ngram"]["drafted_tokens"]
         assert 1 < alone["tokens_per_round"] <= 4     # several target steps per call (pools.target.decode_steps)
         assert 0 < spec["acceptance_rate"] <= 1 and alone["acceptance_rate"] == 0
         assert spec["mean_verify_batch"] >= 1 and spec["coordination_ms_per_round"] >= 0

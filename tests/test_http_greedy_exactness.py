@@ -162,17 +162,20 @@ def test_the_target_alone_stops_exactly_where_asked(apps, reference, stream):
     assert got["choices"][0]["finish_reason"] == "stop"
 
 
-# Every k for lookup alone; hybrid's lookup rounds are the same code (suite time).
-LOOKUP_CASES = [("ngram", k) for k in range(1, 9)] + [("hybrid", k) for k in (1, 4, 8)]
+# Every k for ngram and suffix; hybrid's lookup rounds are the same code (suite time).
+LOOKUP_CASES = [(method, k) for method in ("ngram", "suffix") for k in range(1, 9)] + [("hybrid", k) for k in (1, 4, 8)]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("method, k", LOOKUP_CASES)
 def test_prompt_lookup_greedy_equals_target_only(apps, reference, method, k, stream):
     """`speculation.method: ngram`: drafts copied from the sequence in the router (router/lookup.py);
-    `hybrid`: those where a suffix of 2 or more tokens matched, the draft pool's in other rounds."""
+    `suffix`: from the sequence or the router's recent outputs (router/suffix.py; these prompts
+    were answered before, so its drafts are often whole outputs); `hybrid`: lookup where a
+    suffix of 2 or more tokens matched, the draft pool's in other rounds."""
     call = stream_complete if stream else complete
-    drafted = {"ngram": 0, "draft_model": 0}
+    drafted = {"ngram": 0, "suffix": 0, "draft_model": 0}
+    lookup = "suffix" if method == "suffix" else "ngram"
     for prompt in PROMPTS:
         got = call(apps["perturbed"], prompt, max_tokens=MAX_TOKENS, speculation={"method": method, "k": k})
         want = reference[prompt]
@@ -181,11 +184,27 @@ def test_prompt_lookup_greedy_equals_target_only(apps, reference, method, k, str
         assert got["choices"][0]["finish_reason"] == want["finish_reason"]
         for kind, counts in got["speculation"]["by_kind"].items():
             drafted[kind] += counts["drafted_tokens"]
-    assert drafted["ngram"] > 0
-    if method == "ngram":
-        assert drafted["draft_model"] == 0
-    else:
+    assert drafted[lookup] > 0
+    if method == "hybrid":
         assert drafted["draft_model"] > 0
+    else:
+        assert drafted["draft_model"] == 0 and drafted["ngram" if method == "suffix" else "suffix"] == 0
+
+
+def test_suffix_drafts_copy_an_earlier_requests_output(apps, zoo):
+    """The target alone's answer goes into the router's output cache: asked again, the suffix
+    drafts are that answer, every one kept (greedy), in fewer rounds than prompt lookup in
+    the sequence alone takes."""
+    tokenizer = load_tokenizer(zoo.target)
+    ids = tokenizer.encode("suffix drafting, a prompt of its own: ") + [7, 300, 41, 209]
+    alone = complete(apps["unrelated"], ids, max_tokens=24, speculation={"enabled": False})
+    suffix = complete(apps["unrelated"], ids, max_tokens=24, speculation={"method": "suffix", "k": 8})
+    ngram = complete(apps["unrelated"], ids, max_tokens=24, speculation={"method": "ngram", "k": 8})
+    for got in (suffix, ngram):
+        assert got["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    kinds = suffix["speculation"]["by_kind"]["suffix"]
+    assert kinds["accepted_tokens"] == kinds["drafted_tokens"] >= 16
+    assert suffix["speculation"]["rounds"] <= 3 < ngram["speculation"]["rounds"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

@@ -17,7 +17,7 @@ from tests.http_client import complete, stream_complete
 def test_without_a_draft_model_the_cluster_drafts_by_lookup(zoo):
     config = cluster_config(zoo.target, None)
     assert config.models.draft is None and config.pool_names == ("router", "target")
-    assert (config.speculation.method, config.speculation.methods) == ("ngram", ["ngram"])
+    assert (config.speculation.method, config.speculation.methods) == ("ngram", ["ngram", "suffix"])
 
 
 @pytest.mark.parametrize("speculation, named", [({"method": "draft_model"}, "draft_model"),
@@ -53,6 +53,21 @@ def test_a_cluster_without_a_draft_pool_serves_the_targets_greedy_output(lookup_
         assert kinds["draft_model"]["drafted_tokens"] == 0 and got["speculation"]["fallback_rounds"] == 0
         drafted += kinds["ngram"]["drafted_tokens"]
     assert drafted > 0
+
+
+def test_lookup_requests_follow_lookups_own_measured_choice_of_k(lookup_only, greedy_reference):
+    """A request that fixes no k gets it from the router's measured choice for lookup drafts
+    (router/k_control.py), not from the draft pool's: exact whatever it chooses."""
+    rounds = 0
+    for prompt in PROMPTS[:2]:
+        got = complete(lookup_only, prompt, max_tokens=24)
+        assert got["choices"][0]["token_ids"] == greedy_reference(prompt, 24)
+        rounds += got["speculation"]["rounds"]
+    state = serve.get_deployment_handle("router", app_name="lookup-only").describe.remote().result()
+    counted = {key: sum(level["rounds"] for level in choice["levels"].values())
+               for key, choice in (("ngram", state["adaptive_lookup"]["ngram"]), ("suffix", state["adaptive_lookup"]["suffix"]),
+                                   ("draft_model", state["adaptive"]))}
+    assert counted["ngram"] >= rounds and counted["draft_model"] == counted["suffix"] == 0
 
 
 def test_a_cluster_without_a_draft_pool_refuses_the_draft_pools_methods(lookup_only):

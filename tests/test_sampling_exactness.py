@@ -26,6 +26,7 @@ from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
 from training.tiny_models import tiny_llama
 from router.lookup import lookup_drafts
+from router.suffix import OutputCache, suffix_drafts
 from router.speculation import round_seed
 from tests.test_logits_processing import reference_probs
 
@@ -143,17 +144,25 @@ def test_the_target_alone_in_one_call_of_two_steps_matches_its_distribution(pair
 REPEATING = [1, 2, 3, 1, 2]
 
 
-def lookup_pairs(target, params: SamplingParams, seed: int, wrong_q: bool = False) -> torch.Tensor:
+def lookup_pairs(target, params: SamplingParams, seed: int, wrong_q: bool = False,
+                 method: str = "ngram") -> torch.Tensor:
     """Counts [V, V] of the first two tokens after REPEATING, with drafts from prompt lookup
     (router/lookup.py), verified as the router sends them: no draft_probs, so q is one-hot.
-    wrong_q: send a uniform q instead, as if the drafts had been sampled from it."""
+    wrong_q: send a uniform q instead, as if the drafts had been sampled from it. method
+    "suffix": suffix drafts (router/suffix.py), their output cache fed every earlier batch's
+    samples, as a router's is fed earlier requests' outputs."""
     verifier = TargetEngine.on_model(target, max_cached_tokens=1000)
     counts, looked_up = torch.zeros(VOCAB, VOCAB), 0
+    outputs = OutputCache(max_tokens=4096)
+
+    def drafter(tokens: list[int]) -> list[int]:
+        return suffix_drafts(tokens, K, outputs) if method == "suffix" else lookup_drafts(tokens, K)
+
     for first in range(0, SAMPLES, BATCH):
         sequences = {i: list(REPEATING) for i in range(first, min(first + BATCH, SAMPLES))}
         round_index = 0
         while unfinished := [i for i, tokens in sequences.items() if len(tokens) < len(REPEATING) + 2]:
-            drafts = {i: lookup_drafts(sequences[i], K) for i in unfinished}
+            drafts = {i: drafter(sequences[i]) for i in unfinished}
             looked_up += sum(len(d) for d in drafts.values())
             verdicts = verifier.verify([VerifyRequest(
                 f"s{i}", sequences[i], drafts[i], torch.full((len(drafts[i]), VOCAB), 1 / VOCAB) if wrong_q else None,
@@ -164,6 +173,7 @@ def lookup_pairs(target, params: SamplingParams, seed: int, wrong_q: bool = Fals
             round_index += 1
         for tokens in sequences.values():
             counts[tokens[len(REPEATING)], tokens[len(REPEATING) + 1]] += 1
+            outputs.add(REPEATING, tokens[len(REPEATING):])
     assert looked_up >= SAMPLES * K       # every first round drafted 3 tokens
     return counts
 
@@ -173,6 +183,14 @@ def test_prompt_lookup_drafts_keep_the_target_distribution(pair, setting):
     target, _ = pair
     params = SETTINGS[setting]
     counts = lookup_pairs(target, params, seed=5)
+    assert chi_square_p_value(counts, exact_joint(target, params, REPEATING)) > ALPHA
+
+
+def test_suffix_drafts_from_earlier_samples_keep_the_target_distribution(pair):
+    """Drafts that depend on other requests' samples are still fixed before the round: q one-hot."""
+    target, _ = pair
+    params = SETTINGS["plain"]
+    counts = lookup_pairs(target, params, seed=6, method="suffix")
     assert chi_square_p_value(counts, exact_joint(target, params, REPEATING)) > ALPHA
 
 

