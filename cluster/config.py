@@ -248,6 +248,11 @@ class SpeculationConfig(Strict):
     adaptive: bool = Field(True, description="Choose k per router and load level by the throughput its rounds "
                                              "measure, between min_k and max_k (router/k_control.py), unless a "
                                              "request fixes k.")
+    adaptive_lookup: bool = Field(False, description="Lookup requests (ngram, suffix) that fix no k get it from "
+                                                     "a measured choice of their own too, per method; off: "
+                                                     "k. Off by default: in the bench's phases of 16-32 requests "
+                                                     "its climbs had not settled and ran 0.8-0.9x k = 4 at 8 and "
+                                                     "16 clients (docs/BENCHMARKS.md).")
     min_k: int = Field(0, ge=0, description="Smallest k the adaptive choice may make (0: it may turn "
                                             "speculation off for a round).")
     max_k: int = Field(8, ge=1, description="Largest k a request may ask for or the adaptive choice make.")
@@ -261,8 +266,8 @@ class SpeculationConfig(Strict):
                                    "call); `suffix`, the longer match of the sequence's own tokens (up to 8) "
                                    "and the router's recent outputs of other requests (router/suffix.py); "
                                    "`hybrid`, lookup in rounds where a suffix of at least "
-                                   "hybrid_min_ngram tokens matched, the draft pool in the others. Lookup "
-                                   "with the Hugging Face target engine only.")
+                                   "hybrid_min_ngram tokens matched, the draft pool in the others. With "
+                                   "the vLLM target engine: draft_model or ngram (vLLM's own lookup).")
     methods: list[Literal["draft_model", "ngram", "suffix", "hybrid"]] = Field(
         default_factory=lambda: ["draft_model", "ngram", "suffix", "hybrid"],
         description="The methods a request may pick (`speculation.method` in its body); `method` is one of them.")
@@ -293,6 +298,7 @@ class SpeculationConfig(Strict):
 
 
 _LOOKUP_METHODS = ("ngram", "suffix")   # drafts made in the router, with no draft model
+_VLLM_METHODS = ("draft_model", "ngram")   # the vLLM target engine's: one per engine, its speculative_config
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"
 
@@ -370,11 +376,10 @@ class ClusterConfig(Strict):
             if needing:
                 raise ValueError(f"speculation: {', '.join(needing)} drafts from the draft pool, and models.draft "
                                  "is left out (without it, speculation.method and methods may be ngram and suffix only)")
-            if self.pools.target.engine == "vllm":
-                raise ValueError("pools.target.engine: vllm drafts from the draft pool; it needs models.draft")
-        if self.pools.target.engine == "vllm" and self.speculation.method != "draft_model":
+        if self.pools.target.engine == "vllm" and self.speculation.method not in _VLLM_METHODS:
             raise ValueError(f"speculation.method: {self.speculation.method} is not served with "
-                             "pools.target.engine: vllm, which drafts from the draft pool itself")
+                             f"pools.target.engine: vllm, which drafts inside its engine: "
+                             f"{' or '.join(_VLLM_METHODS)} (vLLM's own prompt lookup)")
         return self
 
     @property

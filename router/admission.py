@@ -167,14 +167,14 @@ class Admission:
         if method not in spec.methods:
             raise bad_request(f"speculation.method {method!r} is not served here; this server's methods: "
                               f"{', '.join(spec.methods)}.", "speculation.method")
-        if method != "draft_model" and self.config.pools.target.engine == "vllm":
-            raise bad_request(f"speculation.method {method!r} is not served with the vLLM target engine.",
-                              "speculation.method")
+        if method != spec.method and self.config.pools.target.engine == "vllm":
+            raise bad_request(f"speculation.method {method!r} is not served with the vLLM target engine, "
+                              f"which drafts by {spec.method} alone.", "speculation.method")
         if not (spec.enabled and wanted):
             return {"k": 0, "adaptive": False, "overlap": False}
-        if method in ("ngram", "suffix"):   # free drafts, nothing to draft ahead; k by lookup's own measured choice
-            return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": False,
-                    "method": method}
+        if method in ("ngram", "suffix"):   # free drafts, nothing to draft ahead; k fixed or lookup's own choice
+            return {"k": fixed or spec.k, "adaptive": spec.adaptive and spec.adaptive_lookup and fixed is None,
+                    "overlap": False, "method": method}
         asked = options.overlap if options is not None else None
         overlap = spec.overlap if asked is None or spec.overlap is False else asked
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap, "method": method}

@@ -28,15 +28,22 @@ def test_draft_pool_methods_without_a_draft_model_are_refused(zoo, speculation, 
     assert any(named in problem and "models.draft" in problem for problem in refused.value.problems)
 
 
-def test_the_vllm_engine_needs_a_draft_model(zoo):
+def test_the_vllm_engine_without_a_draft_model_drafts_by_its_own_lookup(zoo):
+    from replicas.engines.vllm.target import speculative_config
+
+    config = cluster_config(zoo.target, None, pools={"target": {"engine": "vllm"}})
+    assert config.speculation.method == "ngram" and config.pool_names == ("router", "target")
+    assert speculative_config("ngram", 3) == {"method": "ngram", "num_speculative_tokens": 3,
+                                              "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    assert speculative_config("draft_model", 3)["method"] == "custom_class"
     with pytest.raises(ConfigError) as refused:
-        cluster_config(zoo.target, None, pools={"target": {"engine": "vllm"}})
+        cluster_config(zoo.target, None, pools={"target": {"engine": "vllm"}}, speculation={"method": "draft_model"})
     assert any("models.draft" in problem for problem in refused.value.problems)
 
 
 @pytest.fixture(scope="module")
 def lookup_only(ray_serve, zoo):
-    url = deploy(ray_serve, "lookup-only", cluster_config(zoo.target, None))
+    url = deploy(ray_serve, "lookup-only", cluster_config(zoo.target, None, speculation={"adaptive_lookup": True}))
     yield url
     serve.delete("lookup-only")
 
@@ -45,14 +52,15 @@ def lookup_only(ray_serve, zoo):
 def test_a_cluster_without_a_draft_pool_serves_the_targets_greedy_output(lookup_only, greedy_reference, stream):
     call = stream_complete if stream else complete
     assert set(serve.status().applications["lookup-only"].deployments) == {"router", "target"}
-    drafted = 0
-    for prompt in PROMPTS[:4]:
-        got = call(lookup_only, prompt, max_tokens=32, speculation={"k": 6})
-        assert got["choices"][0]["token_ids"] == greedy_reference(prompt, 32)
-        kinds = got["speculation"]["by_kind"]
-        assert kinds["draft_model"]["drafted_tokens"] == 0 and got["speculation"]["fallback_rounds"] == 0
-        drafted += kinds["ngram"]["drafted_tokens"]
-    assert drafted > 0
+    drafted = {"ngram": 0, "suffix": 0}
+    for method in drafted:
+        for prompt in PROMPTS[:4]:
+            got = call(lookup_only, prompt, max_tokens=32, speculation={"k": 6, "method": method})
+            assert got["choices"][0]["token_ids"] == greedy_reference(prompt, 32)
+            kinds = got["speculation"]["by_kind"]
+            assert kinds["draft_model"]["drafted_tokens"] == 0 and got["speculation"]["fallback_rounds"] == 0
+            drafted[method] += kinds[method]["drafted_tokens"]
+    assert min(drafted.values()) > 0
 
 
 def test_lookup_requests_follow_lookups_own_measured_choice_of_k(lookup_only, greedy_reference):

@@ -98,6 +98,34 @@ def test_drafts_come_from_the_draft_pool_and_are_accepted(vllm_app, prompts):
     assert accepted + steps >= tokens and accepted + steps - tokens < 4
 
 
+@pytest.fixture(scope="module")
+def vllm_lookup_app(ray_serve) -> str:
+    """The vLLM target with no draft model: vLLM's own prompt lookup (speculation.method ngram)."""
+    from ray import serve
+
+    config = cluster_config(TARGET, None, pools={"target": {"engine": "vllm", "resources": {"num_cpus": 0.1}}},
+                            speculation={"k": 4}, limits={"max_tokens": 256, "default_max_tokens": MAX_TOKENS,
+                                                          "context_length": 512})
+    yield deploy(ray_serve, "vllm-lookup", config)
+    serve.delete("vllm-lookup")
+
+
+def test_vllm_lookup_drafts_keep_greedy_output_vllms_alone(vllm_lookup_app, prompts, vllm_alone):
+    from ray import serve
+
+    target = serve.get_deployment_handle("target", app_name="vllm-lookup")
+    assert set(serve.status().applications["vllm-lookup"].deployments) == {"router", "target"}
+    counted = target.describe.remote().result()["speculation"]
+    for prompt, reference in zip(prompts, vllm_alone, strict=True):
+        out = complete(vllm_lookup_app, prompt, max_tokens=MAX_TOKENS)
+        assert_matches(reference, out["choices"][0]["token_ids"])
+    after = target.describe.remote().result()["speculation"]
+    assert 0 < after["accepted_tokens"] - counted["accepted_tokens"] <= after["draft_tokens"] - counted["draft_tokens"]
+    body = {"model": "specserve", "prompt": "x", "max_tokens": 4, "speculation": {"method": "suffix"}}
+    refused = httpx.post(f"{vllm_lookup_app}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "speculation.method"
+
+
 def test_a_request_is_one_draft_sequence_released_when_it_ends(vllm_app, prompts):
     """vLLM names no request to the proposer, which names its rows itself: a request is one
     sequence in the draft pool while its context grows, and its draft replica is told when it

@@ -140,10 +140,10 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         modes["suffix"] = replace(speculative, speculation={"method": "suffix", "k": k})
     if "hybrid" in config.speculation.methods:  # lookup where it matched, the draft pool elsewhere
         modes["hybrid"] = replace(speculative, speculation={"method": "hybrid", "k": k})
-    if config.speculation.adaptive:
+    if config.speculation.adaptive and (pool["method"] == "draft_model" or config.speculation.adaptive_lookup):
         modes = {"adaptive": replace(speculative, speculation=pool), **modes}
         for method in ("ngram", "suffix"):   # lookup's own choice of k
-            if method in config.speculation.methods and pool["method"] != method:
+            if method in config.speculation.methods and config.speculation.adaptive_lookup and pool["method"] != method:
                 modes[f"{method}_adaptive"] = replace(speculative, speculation={"method": method})
     if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
         modes["vllm_target"] = replace(speculative, url=_serve_vllm_target(config, url))

@@ -37,8 +37,18 @@ ROUTES_TTL_S = 2.0
 PROPOSER = "replicas.engines.vllm.proposer.RemoteDraftProposer"
 
 
-def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: int):
-    """vLLM's engine arguments for the target model, speculating k tokens from the draft pool."""
+def speculative_config(method: str, k: int) -> dict:
+    """How vLLM drafts: from specserve's draft pool through the proposer (`draft_model`), or
+    by its own prompt lookup in its worker (`ngram`, the same 1-4 token matches as the
+    router's, router/lookup.py): the engine runs the rounds, so router-side lookup drafts
+    would cost a hop from vLLM's worker to the router every step, where vLLM's own cost none."""
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+
+
+def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: int, method: str = "draft_model"):
+    """vLLM's engine arguments for the target model, speculating k tokens by `method`."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
@@ -49,7 +59,7 @@ def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: in
         # part of a prompt, which a CPU generator cannot do: the engine dies, every request
         # with it. Whole prompts at once never drop one.
         enable_chunked_prefill=pool.resources.num_gpus > 0,
-        speculative_config={"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k})
+        speculative_config=speculative_config(method, k))
 
 
 def executor_backend(pool: TargetPoolConfig) -> str | None:
@@ -121,9 +131,10 @@ def speculation_counters() -> dict[str, float]:
 @serve.deployment(name="target")
 class VllmTargetPool:
     def __init__(self, spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, channel_key: bytes,
-                 draft, k: int, lanes: list[str], draft_timeout_s: float):
+                 draft, k: int, lanes: list[str], draft_timeout_s: float, method: str = "draft_model"):
         """lanes: the session ids the routers' calls carry (router/routing.py); asked with each,
-        the draft pool names every replica a lane is routed to."""
+        the draft pool names every replica a lane is routed to. method: draft_model (drafts
+        from the draft pool, `draft`) or ngram (vLLM's own prompt lookup; no draft pool)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.draft, self.lanes = draft, lanes
@@ -134,9 +145,10 @@ class VllmTargetPool:
         if executor_backend(pool) == "mp" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(pool.tp_size, os.sched_getaffinity(0))
         self.draft_routes: list[tuple[str, int]] = []
-        threading.Thread(target=self._refresh_routes, name="specserve-draft-routes", daemon=True).start()
-        logger.info("starting vLLM for %s (tp_size %d, k %d, drafts from the draft pool)", spec.path, pool.tp_size, k)
-        self.engine = AsyncLLM.from_engine_args(engine_args(spec, pool, max_seq_len, k))
+        if method == "draft_model":
+            threading.Thread(target=self._refresh_routes, name="specserve-draft-routes", daemon=True).start()
+        logger.info("starting vLLM for %s (tp_size %d, k %d, drafts: %s)", spec.path, pool.tp_size, k, method)
+        self.engine = AsyncLLM.from_engine_args(engine_args(spec, pool, max_seq_len, k, method))
         self.running = 0
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineStep]:
