@@ -273,10 +273,11 @@ class SpeculationConfig(Strict):
         description="The methods a request may pick (`speculation.method` in its body); `method` is one of them.")
     hybrid_min_ngram: int = Field(2, ge=1, le=4, description="A hybrid round drafts by lookup when a suffix of the "
                                                              "sequence this long occurred earlier in it.")
-    suffix_cache_tokens: int = Field(65536, ge=0, description="Tokens of finished requests' outputs each router "
+    suffix_cache_tokens: int = Field(16384, ge=0, description="Tokens of finished requests' outputs each router "
                                                               "keeps for suffix drafts (oldest evicted first; "
-                                                              "its index holds up to 8 entries a token); 0: "
-                                                              "suffix drafts from the sequence's own tokens only.")
+                                                              "its index holds up to 8 entries a token, about 3 KB "
+                                                              "a token at most: 50 MB at the default); 0: suffix "
+                                                              "drafts from the sequence's own tokens only.")
     lookup_fallback: bool = Field(True, description="A round whose draft pool failed or is late drafts by prompt "
                                                     "lookup (exact, like any draft) before going on with the "
                                                     "target alone.")
