@@ -8,6 +8,7 @@ acceptance, adaptive k and tokens per second.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections import Counter
 
@@ -26,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    # Serve's driver logger writes INFO lines (handles made, replicas found) to the terminal:
+    # the summary is all this command prints, its problems on stderr.
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", logging_level="ERROR", log_to_driver=False)
     try:
         app = serve.status().applications.get(args.app)

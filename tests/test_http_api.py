@@ -104,9 +104,9 @@ def assert_speculation(out: dict) -> dict:
     assert spec["rounds"] >= 1
     assert spec["mean_verify_batch"] >= 1 and spec["round_ms"] >= spec["coordination_ms_per_round"] >= 0
     kinds = spec["by_kind"]
-    assert set(kinds) == {"draft_model", "ngram"}
+    assert set(kinds) == {"draft_model", "ngram", "suffix"}
     for field in ("drafted_tokens", "accepted_tokens"):
-        assert kinds["draft_model"][field] + kinds["ngram"][field] == spec[field]
+        assert sum(kind[field] for kind in kinds.values()) == spec[field]
     assert (spec["mean_draft_batch"] >= 1) == (kinds["draft_model"]["drafted_tokens"] > 0)
     # The three parts of coordination are each a real duration, and add up to it.
     parts = [spec["hop_ms_per_round"], spec["replica_wait_ms_per_round"], spec["router_ms_per_round"]]

@@ -208,11 +208,12 @@ def test_suffix_drafts_copy_an_earlier_requests_output(apps, zoo):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_prompt_lookup_stops_at_stop_strings_and_max_tokens(apps, reference, stream):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_prompt_lookup_stops_at_stop_strings_and_max_tokens(apps, reference, stream, method):
     call = stream_complete if stream else complete
     prompt = PROMPTS[1]
     want = reference[prompt]
-    lookup = {"method": "ngram", "k": 6}
+    lookup = {"method": method, "k": 6}
     for max_tokens in (1, 2, 5, 9):
         got = call(apps["copy"], prompt, max_tokens=max_tokens, speculation=lookup)
         assert got["choices"][0]["token_ids"] == want["token_ids"][:max_tokens]

@@ -123,6 +123,8 @@ def test_status_names_every_pool_with_its_replica_count(apps):
                             text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     out = result.stdout
+    logged = [line for line in (out + result.stderr).splitlines() if " INFO " in line or "WARNING" in line]
+    assert not logged, logged                     # the summary only, no Ray or Serve log lines
     assert "'spec-perturbed': RUNNING" in out, out
     for pool in ("router", "draft", "target"):
         [line] = [line for line in out.splitlines() if line.strip().startswith(pool)]
