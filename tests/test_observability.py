@@ -123,7 +123,7 @@ def test_status_names_every_pool_with_its_replica_count(apps):
                             text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    logged = [line for line in (out + result.stderr).splitlines() if " INFO " in line or "WARNING" in line]
+    logged = [line for line in (out + result.stderr).splitlines() if re.search(r"\b(INFO|WARNING)\b", line)]
     assert not logged, logged                     # the summary only, no Ray or Serve log lines
     assert "'spec-perturbed': RUNNING" in out, out
     for pool in ("router", "draft", "target"):
