@@ -55,15 +55,21 @@ def vllm_alone(prompts, tmp_path_factory) -> list[list[int]]:
     return json.loads(line.removeprefix("VLLM_REPORT "))["outputs"]
 
 
-@pytest.fixture(scope="module")
-def vllm_app(ray_serve) -> str:
+def vllm_served(ray_serve, name: str, draft: Path | None):
+    """An app of the bundled target on vLLM, k = 4; drafts from the draft pool of `draft`, or
+    (None) by vLLM's own prompt lookup."""
     from ray import serve
 
-    config = cluster_config(TARGET, DRAFT, pools={"target": {"engine": "vllm", "resources": {"num_cpus": 0.1}}},
+    config = cluster_config(TARGET, draft, pools={"target": {"engine": "vllm", "resources": {"num_cpus": 0.1}}},
                             speculation={"k": 4}, limits={"max_tokens": 256, "default_max_tokens": MAX_TOKENS,
                                                           "context_length": 512})
-    yield deploy(ray_serve, "vllm-target", config)
-    serve.delete("vllm-target")
+    yield deploy(ray_serve, name, config)
+    serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def vllm_app(ray_serve) -> str:
+    yield from vllm_served(ray_serve, "vllm-target", DRAFT)
 
 
 def assert_matches(reference: list[int], got: list[int]) -> None:
@@ -101,13 +107,7 @@ def test_drafts_come_from_the_draft_pool_and_are_accepted(vllm_app, prompts):
 @pytest.fixture(scope="module")
 def vllm_lookup_app(ray_serve) -> str:
     """The vLLM target with no draft model: vLLM's own prompt lookup (speculation.method ngram)."""
-    from ray import serve
-
-    config = cluster_config(TARGET, None, pools={"target": {"engine": "vllm", "resources": {"num_cpus": 0.1}}},
-                            speculation={"k": 4}, limits={"max_tokens": 256, "default_max_tokens": MAX_TOKENS,
-                                                          "context_length": 512})
-    yield deploy(ray_serve, "vllm-lookup", config)
-    serve.delete("vllm-lookup")
+    yield from vllm_served(ray_serve, "vllm-lookup", None)
 
 
 def test_vllm_lookup_drafts_keep_greedy_output_vllms_alone(vllm_lookup_app, prompts, vllm_alone):
