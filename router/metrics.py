@@ -11,7 +11,7 @@ asked for), verify_batch_size and draft_batch_size (sequences in the forward pas
 served a round), ttft_seconds, inter_token_seconds, router_requests{state: running |
 queued}, adaptive_k{level, drafts} (the k the measured choice keeps at each load level, and
 for level "current" the k adaptive rounds use now; drafts: draft_model for the draft pool's
-requests, ngram for lookup requests'), adaptive_goodput_tokens_per_s{level, arm, drafts} (the
+requests, ngram or suffix for those lookup requests'), adaptive_goodput_tokens_per_s{level, arm, drafts} (the
 throughput measured for each arm tried at each level, router/k_control.py).
 """
 
