@@ -35,7 +35,9 @@ def _at_most(field: str, cap: str):
 class ModelSpec(Strict):
     path: Path = Field(strict=False, description="Local Hugging Face-format model folder (relative to cluster.yaml).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and activations dtype on the replica.")
+        "float32", description="Weights and activations dtype on the replica. A target in bfloat16 or "
+        "float16 runs so only where its forward is checked batch-invariant at start (exact speculation), "
+        "in float32 elsewhere, with a warning.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' takes a GPU when the replica was given one, else the CPU.")
     compile: Literal["off", "on"] = Field(

@@ -1,6 +1,8 @@
 """The lean Llama forward (replicas/engines/huggingface/llama_forward.py) computes bitwise what transformers'
-modules compute, on the bundled pair and on grouped-query attention in both of its paths
-(one query position, several), and anything it does not support runs through the modules."""
+modules compute in float32, on the bundled pair and on grouped-query attention in both of its
+paths (one query position, several); in bfloat16 its attention is its own (batch-invariant,
+tests/test_reduced_precision.py) and within bfloat16's rounding of the modules'; anything it
+does not support runs through the modules."""
 
 from __future__ import annotations
 
@@ -32,18 +34,29 @@ def random_batches(vocab: int, seed: int, steps: int = 10):
         yield calls
 
 
-def assert_runners_agree_bitwise(model, vocab: int, seed: int) -> None:
+def assert_runners_agree(model, vocab: int, seed: int, atol: float = 0.0) -> None:
     lean, modules = ModelRunner(model, 1 << 16, 128), ModelRunner(model, 1 << 16, 128, lean=False)
     assert lean.lean and not modules.lean
     for step, calls in enumerate(random_batches(vocab, seed)):
         for call, a, b in zip(calls, lean.extend_batch(calls), modules.extend_batch(calls), strict=True):
-            assert torch.equal(a.logits, b.logits), f"step {step}, {call.seq_id}: {(a.logits - b.logits).abs().max()}"
+            close = torch.equal(a.logits, b.logits) if atol == 0 else torch.allclose(a.logits, b.logits, atol=atol)
+            assert close, f"step {step}, {call.seq_id}: {(a.logits - b.logits).abs().max()}"
 
 
-@pytest.mark.parametrize("role, dtype", [("target", "float32"), ("draft", "float32"), ("target", "bfloat16")])
-def test_bundled_models_give_bitwise_the_modules_logits(role, dtype):
-    model = load_causal_lm(ModelSpec(path=f"models/{role}", dtype=dtype))
-    assert_runners_agree_bitwise(model, model.config.vocab_size, seed=3)
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_bundled_models_give_bitwise_the_modules_logits(role):
+    model = load_causal_lm(ModelSpec(path=f"models/{role}", dtype="float32"))
+    assert_runners_agree(model, model.config.vocab_size, seed=3)
+
+
+def test_in_bfloat16_the_logits_are_within_its_rounding_of_the_modules():
+    model = load_causal_lm(ModelSpec(path="models/target", dtype="bfloat16"))
+    assert_runners_agree(model, model.config.vocab_size, seed=3, atol=BF16_LOGIT_ATOL)
+
+
+# The bundled target's logits reach about 14; measured apart by 0.125 at most (a few bfloat16
+# steps of rounding through 7 layers), and by 0.375 with the attention's scale 5 % off.
+BF16_LOGIT_ATOL = 0.25
 
 
 def test_grouped_query_attention_gives_bitwise_the_modules_logits():
@@ -51,7 +64,7 @@ def test_grouped_query_attention_gives_bitwise_the_modules_logits():
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
                          initializer_range=0.3, attention_bias=True)
     torch.manual_seed(0)
-    assert_runners_agree_bitwise(LlamaForCausalLM(config).eval(), 96, seed=4)
+    assert_runners_agree(LlamaForCausalLM(config).eval(), 96, seed=4)
 
 
 def test_what_it_does_not_support_runs_through_the_modules():

@@ -19,8 +19,25 @@ logger = logging.getLogger("ray.serve")
 
 def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig,
           max_seq_len: int) -> DraftEngine | TargetEngine:
+    if role == "draft":
+        return DraftEngine(_runner(spec, pool, max_seq_len))
+    return TargetEngine(_exact_runner(spec, pool, max_seq_len))
+
+
+def _exact_runner(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> Runner:
+    """A target in reduced precision runs only where its forward is batch-invariant
+    (invariance.py); elsewhere in float32, with a warning. A draft's dtype moves no output."""
     runner = _runner(spec, pool, max_seq_len)
-    return DraftEngine(runner) if role == "draft" else TargetEngine(runner)
+    if spec.dtype == "float32" or pool.tp_size > 1:    # a group's shards all-reduce: not probed alone
+        return runner
+    from replicas.engines.huggingface.invariance import batch_invariant
+
+    if batch_invariant(runner):
+        return runner
+    logger.warning("the target's %s forward is not batch-invariant on this machine (a verify's logits would "
+                   "differ from single steps, and speculation would change greedy output): it runs in float32",
+                   spec.dtype)
+    return _runner(spec.model_copy(update={"dtype": "float32"}), pool, max_seq_len)
 
 
 def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int) -> Runner:

@@ -39,6 +39,12 @@ class Runner(Protocol):
     def release(self, seq_id: str) -> None: ...
 
 
+def _dtype_name(runner: Runner) -> str | None:
+    """The dtype the runner's model runs in (a target may fall back to float32, __init__.py)."""
+    model = getattr(runner, "model", None)
+    return None if model is None else str(model.dtype).removeprefix("torch.")
+
+
 class _Engine:
     def __init__(self, runner: Runner):
         self.runner = runner
@@ -56,7 +62,7 @@ class _Engine:
         caches = self.runner.caches
         shards = getattr(self.runner, "shards", None)
         return {"engine": "huggingface", "tp_size": len(shards) if shards else 1,
-                "compile_s": getattr(self.runner, "compile_s", None),
+                "compile_s": getattr(self.runner, "compile_s", None), "dtype": _dtype_name(self.runner),
                 "shards": [vars(s) for s in shards] if shards else None,
                 "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
