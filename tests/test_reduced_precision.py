@@ -6,6 +6,8 @@ tokens); a target whose forward fails the check runs in float32."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,11 @@ from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
 from replicas.engines.huggingface.model_runner import ModelRunner
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY
+from tests.conftest import cluster_config, deploy
+from tests.http_client import complete
 from training.corpus import held_out_prompts
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
 
 NEW_TOKENS = 128
 BATCH = 8
@@ -66,7 +72,7 @@ def speculated(drafter: DraftEngine, verifier: TargetEngine, prompts: list[list[
 @pytest.mark.parametrize("k", [2, 4])
 def test_bf16_greedy_speculation_in_batches_equals_the_bf16_target_alone(bf16_pair, k):
     target, draft = bf16_pair
-    prompts = held_out_prompts(load_tokenizer("models/target"), count=16, prompt_tokens=128)
+    prompts = held_out_prompts(load_tokenizer(MODELS / "target"), count=16, prompt_tokens=128)
     verifier = TargetEngine.on_model(target, max_cached_tokens=16 * 512, max_seq_len=512)
     drafter = DraftEngine.on_model(draft, max_cached_tokens=16 * 512, max_seq_len=512)
     alone = target_alone(verifier, prompts)
@@ -90,3 +96,26 @@ def test_a_target_failing_the_check_runs_in_float32_with_a_warning(monkeypatch, 
     assert engine.describe()["dtype"] == "float32"
     assert "not batch-invariant" in caplog.text
     assert next(engine.runner.model.parameters()).dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def bf16_cluster(ray_serve):
+    from ray import serve
+
+    models = {role: {"path": str(MODELS / role), "dtype": "bfloat16"} for role in ("target", "draft")}
+    yield deploy(ray_serve, "bf16", cluster_config(MODELS / "target", MODELS / "draft", models=models))
+    serve.delete("bf16")
+
+
+@pytest.mark.parametrize("method", ["draft_model", "suffix"])
+def test_bf16_greedy_through_http_in_batches_equals_the_target_alone(bf16_cluster, method):
+    tokenizer = load_tokenizer(MODELS / "target")
+    prompts = [tokenizer.decode(ids) for ids in held_out_prompts(tokenizer, count=8, prompt_tokens=128)]
+    alone = [complete(bf16_cluster, p, max_tokens=96, speculation={"enabled": False}) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:      # verifies of 5 positions beside other rows
+        speculated = list(pool.map(lambda p: complete(bf16_cluster, p, max_tokens=96,
+                                                      speculation={"method": method, "k": 4}), prompts))
+    assert all(out["speculation"]["accepted_tokens"] > 0 for out in speculated)
+    differing = [i for i, (a, b) in enumerate(zip(alone, speculated))
+                 if a["choices"][0]["token_ids"] != b["choices"][0]["token_ids"]]
+    assert not differing, f"prompts {differing} differ from the target alone"

@@ -13,6 +13,8 @@ which shows that it has the power to catch a broken sampler.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -61,8 +63,8 @@ def pair():
 @torch.inference_mode()
 def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
     """P(t1, t2 | prompt) [V, V], by enumerating t1 with full forward passes (no cache)."""
-    first = reference_probs(target(torch.tensor([prompt])).logits[0, -1], params, prompt, len(prompt))   # [V]
-    seconds = target(torch.tensor([prompt + [t] for t in range(VOCAB)])).logits[:, -1]                   # [V, V]
+    first = reference_probs(target(torch.tensor([prompt])).logits[0, -1].float(), params, prompt, len(prompt))   # [V]
+    seconds = target(torch.tensor([prompt + [t] for t in range(VOCAB)])).logits[:, -1].float()                   # [V, V]
     second = torch.stack([reference_probs(seconds[t], params, prompt + [t], len(prompt)) for t in range(VOCAB)])
     return first[:, None] * second
 
@@ -114,6 +116,14 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
     target, draft = pair
     params = (SETTINGS | MORE_SETTINGS)[setting]
     counts = speculative_pairs(target, draft, params, seed=1)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+def test_speculative_sampling_in_bfloat16_matches_the_bfloat16_target(pair):
+    """The engines' bfloat16 path (batch-invariant attention, tests/test_reduced_precision.py)."""
+    target, draft = (copy.deepcopy(model).to(torch.bfloat16) for model in pair)
+    params = SETTINGS["warped"]
+    counts = speculative_pairs(target, draft, params, seed=5)
     assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
 
 
