@@ -156,8 +156,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         unknown = sorted(set(args.modes) - set(modes))
         if unknown:
             raise SystemExit(f"bench: no mode {', '.join(unknown)} here; this server's modes: {', '.join(modes)}")
-        modes = {name: work for name, work in modes.items()
-                 if name in {"speculative", "target_only", *args.modes}}
+        modes = {name: work for name, work in modes.items()   # --vllm-serve's modes were asked for too
+                 if name in {"speculative", "target_only", *args.modes, *(vllm_urls or {})}}
     print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
           f"modes {', '.join(modes)}")
     vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
@@ -255,7 +255,7 @@ def _against_vllm(summaries: dict) -> dict:
     vLLM alone, in the same phase."""
     rate = {name: s["output_tokens_per_s"] for name, s in summaries.items()}
     out = {f"{mode}_vs_vllm_serve": round(rate[mode] / rate["vllm_serve"], 3)
-           for mode in ("adaptive", "speculative") if mode in rate and rate["vllm_serve"]}
+           for mode in rate if rate["vllm_serve"] and mode != "target_only" and not mode.startswith("vllm_serve")}
     if rate.get("vllm_serve_alone"):
         out["target_only_vs_vllm_serve_alone"] = round(rate["target_only"] / rate["vllm_serve_alone"], 3)
     return out
