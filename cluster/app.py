@@ -9,7 +9,7 @@ from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
 from cluster.autoscaling import pool_autoscaling, router_autoscaling
-from cluster.config import ClusterConfig, DraftPoolConfig, TargetPoolConfig
+from cluster.config import ClusterConfig, DraftPoolConfig, ServerConfig, TargetPoolConfig
 from replicas.deployments import DraftPool, TargetPool
 from router.ingress import Router
 from router.routing import CACHE_AFFINITY, lane_count, lane_name
@@ -22,6 +22,29 @@ CONTROL_HEADROOM = 1024
 # A dead vLLM engine fails every request its replica takes until Serve replaces the replica,
 # after three failed health checks: at Serve's default period (10 s) that is half a minute.
 VLLM_HEALTH_CHECK_PERIOD_S = 2.0
+# Ray Serve's HAProxy ingress (server.ingress: haproxy): HAProxy takes the HTTP port and hands
+# each connection to a router replica's own HTTP server. Serve's Python proxy instead relays
+# every request, and every streamed chunk back, through a Ray call in a process of its own:
+# on the default cluster that proxy took more CPU than the router at 16 streams, on the same
+# two cores as the engines (docs/BENCHMARKS.md). Both the controller (which starts HAProxy)
+# and the router replicas (which open their own HTTP ports) read the switch from their
+# environment. A router replica that stops keeps its port open for a draining period so that
+# a load balancer notices it going; HAProxy is told at once by Serve's controller (and checks
+# every 250 ms while a server changes state), so 2 s, not Serve's 30 s for an unknown one: every
+# router stop (Ctrl-C, a scale-down, a redeploy) would wait that long.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+
+
+def ingress_env(server: ServerConfig) -> dict[str, str]:
+    """The environment the Serve controller and the router replicas need for server.ingress."""
+    return dict(HAPROXY_ENV) if server.ingress == "haproxy" else {}
+
+
+def controller_options(server: ServerConfig) -> dict | None:
+    """serve.start's controller_options (and a Serve config's): they apply where Serve starts;
+    a Serve already running keeps its own ingress."""
+    env = ingress_env(server)
+    return {"runtime_env": {"env_vars": env}} if env else None
 
 
 def build_app(config: ClusterConfig) -> Application:
@@ -43,6 +66,9 @@ def build_app(config: ClusterConfig) -> Application:
         target = TargetPool.options(**_model_pool_options(pools.target)).bind(
             config.models.target, pools.target, config.limits.context_length, channel_key)
     router = pools.router
+    router_actor = router.resources.ray_actor_options()
+    if ingress_env(config.server):
+        router_actor["runtime_env"] = {"env_vars": ingress_env(config.server)}
     return Router.options(
         **_replica_count(router, router_autoscaling),
         # The router's own gate admits and queues generation requests (router/gate.py); Serve
@@ -51,7 +77,7 @@ def build_app(config: ClusterConfig) -> Application:
         # The last line, when even that room is taken: Serve's own 429 (a plain-text body).
         max_queued_requests=CONTROL_HEADROOM,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=router.retry_after_s),
-        ray_actor_options=router.resources.ray_actor_options(),
+        ray_actor_options=router_actor,
     ).bind(draft, target, config, channel_key)
 
 

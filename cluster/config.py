@@ -310,6 +310,12 @@ class ServerConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     model_name: str = Field("specserve", description="The model id clients send and /v1/models lists.")
+    ingress: Literal["haproxy", "proxy"] = Field(
+        "haproxy",
+        description="What takes the HTTP port: 'haproxy', Ray Serve's HAProxy ingress (HAProxy forwards each "
+                    "request to a router replica's own HTTP server), or 'proxy', Serve's Python proxy actor "
+                    "(which relays every request and streamed chunk through a Ray call). Applies where specserve "
+                    "starts Serve (specserve up, ray job, the rendered Serve config and KubeRay manifests).")
     api_keys_file: Path | None = Field(
         None, strict=False,
         description=f"A file of API keys, one per line ('#' comments); with it, or with the environment "

@@ -72,7 +72,7 @@ def rayjob(config: ClusterConfig) -> dict:
 
 
 def ray_cluster_spec(config: ClusterConfig, serve_probes: bool) -> dict:
-    """serve_probes: pods are ready when their Serve proxy answers (a RayService). A RayJob's
+    """serve_probes: pods are ready when their Serve ingress answers (a RayService). A RayJob's
     cluster has no Serve until its job deploys it, so its pods keep KubeRay's own probes."""
     k8s = config.kubernetes
     head_params = {"num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": str(METRICS_PORT)}
@@ -132,8 +132,8 @@ def _pod(container: str, k8s: KubernetesConfig, shape: PodShape, cpu: int, gpus:
     container_spec = {"name": container, "image": k8s.image, "imagePullPolicy": "IfNotPresent",
                       "ports": ports, "resources": {"limits": limits, "requests": dict(limits)}}
     if serve_probe:
-        # Serve's proxy answers /-/healthz once the node's proxy runs: a pod is ready to take
-        # traffic from the Service when its proxy is.
+        # The node's ingress (HAProxy, or Serve's proxy: server.ingress) answers /-/healthz once
+        # it runs: a pod is ready to take traffic from the Service when its ingress is.
         container_spec["readinessProbe"] = {"httpGet": {"path": "/-/healthz", "port": SERVE_PORT},
                                             "initialDelaySeconds": 10, "periodSeconds": 5, "failureThreshold": 12}
     spec = {"containers": [container_spec]}

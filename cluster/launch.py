@@ -43,14 +43,15 @@ def deploy(config: ClusterConfig) -> str:
     Raises SystemExit with the reason when it cannot."""
     from ray import serve
 
-    from cluster.app import APP_NAME, build_app
+    from cluster.app import APP_NAME, build_app, controller_options
 
     _check_placement(config)
     compiled = [role for role, spec in config.models.specs().items() if spec.compile == "on"]
     if compiled:
         print(f"  compiling the {' and '.join(compiled)} forward at replica start (models.*.compile: on; "
               "a minute or more per model, less with inductor's cache warm)", flush=True)
-    serve.start(http_options={"host": config.server.host, "port": config.server.port})
+    serve.start(http_options={"host": config.server.host, "port": config.server.port},
+                controller_options=controller_options(config.server))
     # Not blocking: the app serves once the router and the target pool run; the draft pool is
     # optional (requests fall back to the target alone), so it must not hold up the start.
     serve._run(build_app(config), name=APP_NAME, route_prefix="/", _blocking=False)

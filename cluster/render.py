@@ -45,7 +45,7 @@ def serve_config(config: ClusterConfig, raw: dict, models_dir: str | None = None
     from ray.serve.deployment import deployment_to_schema
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import APP_NAME, build_app
+    from cluster.app import APP_NAME, build_app, controller_options
     from cluster.serve_app import IMPORT_PATH
 
     built = build_serve_app(build_app(config), name=APP_NAME)
@@ -59,6 +59,8 @@ def serve_config(config: ClusterConfig, raw: dict, models_dir: str | None = None
     document = {"proxy_location": "EveryNode",
                 "http_options": {"host": config.server.host, "port": config.server.port},
                 "applications": [application]}
+    if controller_options(config.server):
+        document["controller_options"] = controller_options(config.server)
     ServeDeploySchema.model_validate(document)
     return document
 

@@ -78,10 +78,13 @@ METRICS_PORT = free_port()
 
 @pytest.fixture(scope="session")
 def ray_serve():
-    """A real local Ray with Serve's HTTP proxy on a free port (and its Prometheus metrics on
-    METRICS_PORT); yields the base URL."""
+    """A real local Ray with Serve's HTTP ingress on a free port, the default one (HAProxy,
+    cluster/app.py), and its Prometheus metrics on METRICS_PORT; yields the base URL."""
     import ray
     from ray import serve
+
+    from cluster.app import controller_options
+    from cluster.config import ServerConfig
 
     # Replicas report their queue depth every second, not every 10: autoscaling tests react in
     # time; metrics are exported every second for the same reason.
@@ -90,7 +93,7 @@ def ray_serve():
     ray.init(address="local", num_cpus=2, logging_level="WARNING", log_to_driver=False,
              _metrics_export_port=METRICS_PORT)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options(ServerConfig()))
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()

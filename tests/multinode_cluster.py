@@ -24,8 +24,8 @@ import yaml
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from cluster.app import build_app
-from cluster.config import parse_config
+from cluster.app import build_app, controller_options
+from cluster.config import ServerConfig, parse_config
 
 SPECSERVE = Path(sys.executable).parent / "specserve"
 SHARD = {"num_cpus": 0.1, "custom": {"large_gpu": 1}}
@@ -110,7 +110,8 @@ def main(target: str, draft: str, folder: Path) -> dict:
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
         kinds = node_kinds()
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    controller_options=controller_options(ServerConfig()))
         serve.run(build_app(parse_config(config_data(target, draft), base=Path.cwd())),
                   name="multi", route_prefix="/multi")
         report["drafts"] = [kinds[s["node_id"]] for s in replica_states("multi", "draft", 2)]

@@ -164,3 +164,21 @@ def _group(document: dict, name: str) -> dict:
     cluster = document["spec"].get("rayClusterConfig") or document["spec"]["rayClusterSpec"]
     [group] = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == name]
     return group
+
+
+@pytest.mark.parametrize("ingress", ["haproxy", "proxy"])
+def test_the_ingress_reaches_serves_controller_and_the_routers_in_the_serve_config(tmp_path, ingress):
+    """HAProxy is a setting of the controller (it starts HAProxy) and of the router replicas
+    (they open their own HTTP ports): both must carry it, and neither with the Python proxy."""
+    raw = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    raw["server"]["ingress"] = ingress
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "models").symlink_to(REPO / "models")
+    document = yaml.safe_load(render_serve_config(tmp_path / "cluster.yaml", None, None))
+    ServeDeploySchema.model_validate(document)
+    router = {d["name"]: d for d in document["applications"][0]["deployments"]}["router"]
+    router_env = router["ray_actor_options"].get("runtime_env", {}).get("env_vars", {})
+    controller_env = (document.get("controller_options") or {}).get("runtime_env", {}).get("env_vars", {})
+    expected = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if ingress == "haproxy" else {}
+    for env in (router_env, controller_env):
+        assert {key: env[key] for key in env if key == "RAY_SERVE_ENABLE_HA_PROXY"} == expected
