@@ -17,7 +17,8 @@ from replicas.engines import huggingface
 from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.engines.huggingface.invariance import batch_invariant
 from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
-from replicas.engines.huggingface.model_runner import ModelRunner
+from replicas.engines.huggingface import llama_forward
+from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY
 from tests.conftest import cluster_config, deploy
@@ -119,3 +120,35 @@ def test_bf16_greedy_through_http_in_batches_equals_the_target_alone(bf16_cluste
     differing = [i for i, (a, b) in enumerate(zip(alone, speculated))
                  if a["choices"][0]["token_ids"] != b["choices"][0]["token_ids"]]
     assert not differing, f"prompts {differing} differ from the target alone"
+
+
+def test_bf16_linears_are_prepacked_for_onednn_and_give_bitwise_the_same_logits(bf16_pair, monkeypatch):
+    """The lean forward's bfloat16 linears on a CPU run on weights reordered once for oneDNN;
+    the logits must be F.linear's, bit for bit, in a batch of rows at several lengths."""
+    if not llama_forward._onednn_bfloat16():
+        pytest.skip("this CPU has no oneDNN bfloat16 kernels: the linears run as F.linear")
+    target, _ = bf16_pair
+    packed = ModelRunner(target, 8192)
+    assert all(isinstance(getattr(layer, name), llama_forward.PrepackedLinear)
+               for layer in packed.decoder.layers for name in ("q", "k", "v", "o", "gate", "up", "down"))
+    monkeypatch.setattr(llama_forward, "_onednn_bfloat16", lambda: False)
+    plain = ModelRunner(target, 8192)
+    assert not isinstance(plain.decoder.layers[0].q, llama_forward.PrepackedLinear)
+    generator = torch.Generator().manual_seed(3)
+    for new in (1, 5, 40):
+        calls = [ExtendCall(f"row-{i}", torch.randint(1, 500, (60 + 17 * i,), generator=generator).tolist(), new)
+                 for i in range(3)]
+        for a, b in zip(packed.extend_batch(calls), plain.extend_batch(calls)):
+            assert torch.equal(a.logits, b.logits)
+
+
+def test_auto_dtype_is_the_checkpoints_where_the_cpu_computes_it_natively(monkeypatch):
+    from replicas.engines.huggingface import loading
+
+    spec = ModelSpec(path=MODELS / "target", dtype="auto")          # its config.json says bfloat16
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(loading, "_cpu_bfloat16", lambda: True)
+    assert loading.model_dtype(spec, cpu) == torch.bfloat16
+    monkeypatch.setattr(loading, "_cpu_bfloat16", lambda: False)
+    assert loading.model_dtype(spec, cpu) == torch.float32
+    assert loading.model_dtype(spec.model_copy(update={"dtype": "bfloat16"}), cpu) == torch.bfloat16

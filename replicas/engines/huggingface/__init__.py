@@ -9,6 +9,8 @@ import logging
 import os
 from typing import Literal
 
+import torch
+
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.engines.huggingface.engine import DraftEngine, Runner, TargetEngine
 
@@ -28,7 +30,7 @@ def _exact_runner(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> 
     """A target in reduced precision runs only where its forward is batch-invariant
     (invariance.py); elsewhere in float32, with a warning. A draft's dtype moves no output."""
     runner = _runner(spec, pool, max_seq_len)
-    if spec.dtype == "float32" or pool.tp_size > 1:    # a group's shards all-reduce: not probed alone
+    if pool.tp_size > 1 or runner.model.dtype == torch.float32:    # a group's shards all-reduce: not probed alone
         return runner
     from replicas.engines.huggingface.invariance import batch_invariant
 
@@ -36,7 +38,7 @@ def _exact_runner(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> 
         return runner
     logger.warning("the target's %s forward is not batch-invariant on this machine (a verify's logits would "
                    "differ from single steps, and speculation would change greedy output): it runs in float32",
-                   spec.dtype)
+                   runner.model.dtype)
     return _runner(spec.model_copy(update={"dtype": "float32"}), pool, max_seq_len)
 
 

@@ -48,7 +48,7 @@ class LlamaForward:
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama decoder")
         self.decoder = model.get_decoder()
-        self.layers = [_Layer(layer) for layer in self.decoder.layers]
+        self.layers = [_Layer(layer, compiled) for layer in self.decoder.layers]
         if compiled and any(layer.hooked for layer in self.layers):
             raise ValueError("a tensor-parallel shard's linears all-reduce in hooks: it runs eager")
         self.steps = _compiled_steps() if compiled else (_inputs, None)
@@ -74,14 +74,15 @@ class LlamaForward:
 
 
 class _Layer:
-    def __init__(self, layer: LlamaDecoderLayer):
+    def __init__(self, layer: LlamaDecoderLayer, compiled: bool):
         attention, mlp = layer.self_attn, layer.mlp
         self.input_norm, self.post_attention_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
-        self.q, self.k, self.v = _weights(attention.q_proj), _weights(attention.k_proj), _weights(attention.v_proj)
-        self.gate, self.up = _weights(mlp.gate_proj), _weights(mlp.up_proj)
-        self.o, self.down = _weights(attention.o_proj), _weights(mlp.down_proj)
-        # a tensor-parallel shard all-reduces these two outputs in forward hooks: called as modules
-        self.o_module, self.down_module = _linear(attention.o_proj), _linear(mlp.down_proj)
+        # compiled: the weights as tensors, arguments of graphs every layer shares; eager:
+        # callables, the module itself where a tensor-parallel shard all-reduces its output in a hook
+        linear = _weights if compiled else _linear
+        self.q, self.k, self.v = linear(attention.q_proj), linear(attention.k_proj), linear(attention.v_proj)
+        self.gate, self.up = linear(mlp.gate_proj), linear(mlp.up_proj)
+        self.o, self.down = linear(attention.o_proj), linear(mlp.down_proj)
         self.hooked = attention.o_proj._forward_hooks or mlp.down_proj._forward_hooks
         self.head_dim, self.scaling, self.groups = attention.head_dim, attention.scaling, attention.num_key_value_groups
 
@@ -92,9 +93,9 @@ class _Layer:
             return fused_rest(hidden, query, key, value, mask, self.o, self.post_attention_norm, self.gate,
                               self.up, self.down, self.scaling, self.groups, self.head_dim)
         attended = _attention(query, key, value, mask, self.scaling, self.groups, self.head_dim)  # [R, N, H * D]
-        hidden = hidden + self.o_module(attended)
+        hidden = hidden + self.o(attended)
         hidden, activation = _mlp_input(hidden, self.post_attention_norm, self.gate, self.up)
-        return hidden + self.down_module(activation)
+        return hidden + self.down(activation)
 
 
 # Each a function of tensors (weights as (weight, bias) pairs, norms as (weight, eps)), so one
@@ -105,9 +106,9 @@ def _inputs(hidden, cos, sin, norm, q, k, v, head_dim: int):
     rows, width = hidden.shape[:2]
     shape = (rows, width, -1, head_dim)
     normed = _rms_norm(hidden, *norm)
-    query = F.linear(normed, *q).view(shape).transpose(1, 2)
-    key = F.linear(normed, *k).view(shape).transpose(1, 2)
-    value = F.linear(normed, *v).view(shape).transpose(1, 2)
+    query = _project(normed, q).view(shape).transpose(1, 2)
+    key = _project(normed, k).view(shape).transpose(1, 2)
+    value = _project(normed, v).view(shape).transpose(1, 2)
     return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin, value
 
 
@@ -155,15 +156,15 @@ def _batch_invariant_attention(query, key, value, mask, scaling: float) -> torch
 def _mlp_input(hidden, norm, gate, up):
     """-> (hidden, silu(m Wgate) * (m Wup)) with m = rms_norm(hidden)."""
     normed = _rms_norm(hidden, *norm)
-    return hidden, F.silu(F.linear(normed, *gate)) * F.linear(normed, *up)
+    return hidden, F.silu(_project(normed, gate)) * _project(normed, up)
 
 
 def _fused_rest(hidden, query, key, value, mask, o, norm, gate, up, down, scaling: float, groups: int,
                 head_dim: int) -> torch.Tensor:
     """The layer after its cache write, without hooks: attention, Wo, residual, the MLP."""
-    hidden = hidden + F.linear(_attention(query, key, value, mask, scaling, groups, head_dim), *o)
+    hidden = hidden + _project(_attention(query, key, value, mask, scaling, groups, head_dim), o)
     hidden, activation = _mlp_input(hidden, norm, gate, up)
-    return hidden + F.linear(activation, *down)
+    return hidden + _project(activation, down)
 
 
 def _compiled_steps():
@@ -194,9 +195,36 @@ def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
 
 
 def _linear(module: nn.Linear):
+    """x -> x W^T + b for the eager forward: the module itself where it has hooks (a
+    tensor-parallel shard's all-reduce); a weight prepacked for oneDNN where it is bfloat16 on
+    a CPU that has oneDNN's bfloat16 kernels (measured here 1.3-2x faster a call than
+    F.linear for 1 to 40 rows, and bitwise the same: docs/BENCHMARKS.md); else F.linear."""
     if module._forward_hooks or module._forward_pre_hooks:
         return module
-    return lambda x: F.linear(x, module.weight, module.bias)
+    weight, bias = _weights(module)
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bfloat16():
+        return PrepackedLinear(weight, bias)
+    return lambda x: F.linear(x, weight, bias)
+
+
+class PrepackedLinear:
+    """x W^T + b with W reordered once into oneDNN's blocked layout: F.linear on a CPU reorders
+    a bfloat16 weight at every call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.packed, self.bias = torch.ops.mkldnn._reorder_linear_weight(weight, 1), bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _onednn_bfloat16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _project(x: torch.Tensor, linear) -> torch.Tensor:
+    """x through a linear: an eager callable (_linear) or, in compiled code, (weight, bias)."""
+    return linear(x) if callable(linear) else F.linear(x, *linear)
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
