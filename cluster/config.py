@@ -268,16 +268,14 @@ class SpeculationConfig(Strict):
                                    "occurrence of the sequence's last 1-4 tokens, router/lookup.py: no draft "
                                    "call); `suffix`, the longer match of the sequence's own tokens (up to 8) "
                                    "and the router's recent outputs of other requests (router/suffix.py); "
-                                   "`hybrid`, per round lookup drafts or the draft pool's, whichever the "
-                                   "router measured faster at the sequence's match length (router/hybrid.py). With "
+                                   "`hybrid`, lookup in rounds where a suffix of at least "
+                                   "hybrid_min_ngram tokens matched, the draft pool in the others. With "
                                    "the vLLM target engine: draft_model or ngram (vLLM's own lookup).")
     methods: list[Literal["draft_model", "ngram", "suffix", "hybrid"]] = Field(
         default_factory=lambda: ["draft_model", "ngram", "suffix", "hybrid"],
         description="The methods a request may pick (`speculation.method` in its body); `method` is one of them.")
-    hybrid_min_ngram: int = Field(2, ge=1, le=4, description="Hybrid's prior: until the router has measured both "
-                                                             "kinds of rounds at a match length, a hybrid round "
-                                                             "drafts by lookup when a suffix of the sequence this "
-                                                             "long occurred earlier in it.")
+    hybrid_min_ngram: int = Field(2, ge=1, le=4, description="A hybrid round drafts by lookup when a suffix of the "
+                                                             "sequence this long occurred earlier in it.")
     suffix_cache_tokens: int = Field(16384, ge=0, description="Tokens of finished requests' outputs each router "
                                                               "keeps for suffix drafts (oldest evicted first; "
                                                               "its index holds up to 8 entries a token, about 3 KB "

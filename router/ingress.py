@@ -214,7 +214,6 @@ class Router:
                 "adaptive": self.loop.control.describe(),
                 "adaptive_lookup": {method: control.describe() for method, control in self.loop.lookup_controls.items()},
                 "suffix_cache": self.loop.outputs.describe() if self.loop.outputs is not None else None,
-                "hybrid": self.loop.hybrid.describe(),
                 "totals": self.metrics.totals.as_dict(),
                 "call_paths": dict(self.loop.call_paths),
                 "node_id": ray.get_runtime_context().get_node_id()}

@@ -25,7 +25,7 @@ MAX_NGRAM = 4
 class LookupOptions:
     """Where the router drafts by lookup besides `method: ngram` requests."""
     k: int = 4                  # drafts a hybrid round takes from a match
-    hybrid_min_ngram: int = 2   # hybrid's prior: lookup where a suffix this long matched (router/hybrid.py)
+    hybrid_min_ngram: int = 2   # a hybrid round drafts by lookup when a suffix this long matched
     fallback: bool = True       # rounds whose draft pool failed or is late draft by lookup
 
 

@@ -38,7 +38,6 @@ from router.gathering import CallGatherer
 from router.goodput import CostProfile
 from router.k_control import Arm, KController
 from router.lookahead import Drafts, lookahead_size, usable_drafts
-from router.hybrid import HybridArm, HybridChoice
 from router.lookup import LookupOptions, lookup_drafts, lookup_match
 from router.suffix import OutputCache, suffix_drafts
 from router.routing import lane_of
@@ -245,7 +244,6 @@ class SpeculationLoop:
         self.lookup_controls = {method: KController(control.min_k, control.max_k, control.start.k)
                                 for method in ("ngram", "suffix")}
         self.outputs = OutputCache(suffix_cache_tokens) if suffix_cache_tokens else None
-        self.hybrid = HybridChoice(self.lookup.hybrid_min_ngram)
         self.metrics = metrics            # router/metrics.py RouterMetrics, or None
         self._profiles_task: asyncio.Task | None = None
         self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
@@ -332,11 +330,10 @@ class SpeculationLoop:
         stats.k_chosen += k
         fallbacks_before = stats.fallback_rounds
         ready = await self._drafts_ahead(ahead, k, stats)
-        hybrid = self._hybrid_arm(gen, tokens, cap) if ready is None else None
         if ready is not None:
             drafts, probs, proposal = ready.tokens, ready.probs, None   # drafted off this round's path
         else:
-            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats, max(cap, 0), hybrid)
+            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats, max(cap, 0))
         # model drafts come with a proposal; a suffix request's drafts are all suffix drafts
         looked_up = bool(drafts) and ready is None and proposal is None
         kind = ("suffix" if gen.method == "suffix" else "ngram") if looked_up else "draft_model"
@@ -375,22 +372,11 @@ class SpeculationLoop:
         stats.model_ms += verdict.model_ms
         round_ms = (time.perf_counter() - started) * 1000
         stats.round_ms += round_ms
-        if hybrid is not None:
-            self.hybrid.observe(hybrid, len(verdict.tokens), round_ms / 1000)
         stats.retried_calls = self._retries[seq_id]
         for each in self._controls():
             each.observe(levels[id(each)], len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
                          adaptive=gen.adaptive, whole=whole, tokens=len(verdict.tokens), mine=each is control)
         return verdict
-
-    def _hybrid_arm(self, gen: Generation, tokens: list[int], cap: int) -> HybridArm | None:
-        """Where a hybrid round's drafts come from (router/hybrid.py), by the sequence's
-        longest earlier match; None for other methods, and where the request's end leaves
-        no room for drafts."""
-        if gen.method != "hybrid" or cap <= 0:
-            return None
-        drafts, matched = lookup_match(tokens, min(self.lookup.k, cap))
-        return self.hybrid.choose(matched if drafts else 0)
 
     def _controls(self) -> list[KController]:
         return [self.control, *self.lookup_controls.values()]
@@ -491,15 +477,15 @@ class SpeculationLoop:
                 logger.warning("no cost profile from the %s pool yet", pool, exc_info=True)
 
     async def _drafts(self, lane: str, seq_id: str, tokens: list[int], k: int, gen: Generation,
-                      stats: SpeculationStats, room: int,
-                      hybrid: HybridArm | None = None) -> tuple[list[int], object, object]:
+                      stats: SpeculationStats, room: int) -> tuple[list[int], object, object]:
         """k drafts, their probabilities q and the proposal; none when k is 0 or the drafts
-        are unavailable. A hybrid round the measured choice gave to lookup takes up to
-        lookup.k drafts from the match instead, whatever its k, within `room` (the drafts the
-        request's end leaves space for)."""
+        are unavailable. A hybrid round takes up to lookup.k drafts from a long enough match
+        instead, whatever its k, within `room` (the drafts the request's end leaves space for)."""
         # Lookup drafts go without probs: q one-hot, as the target's rule then takes it.
-        if hybrid is not None and hybrid.lookup:
-            return lookup_drafts(tokens, min(self.lookup.k, room)), None, None
+        if gen.method == "hybrid" and room > 0:
+            drafts, matched = lookup_match(tokens, min(self.lookup.k, room))
+            if matched >= self.lookup.hybrid_min_ngram:
+                return drafts, None, None
         if k == 0:
             return [], None, None
         if gen.method == "ngram":

@@ -171,8 +171,7 @@ def test_prompt_lookup_greedy_equals_target_only(apps, reference, method, k, str
     """`speculation.method: ngram`: drafts copied from the sequence in the router (router/lookup.py);
     `suffix`: from the sequence or the router's recent outputs (router/suffix.py; these prompts
     were answered before, so its drafts are often whole outputs); `hybrid`: lookup where a
-    suffix of 2 or more tokens matched until the router has measured both kinds of rounds,
-    then whichever it measured faster at the sequence's match length (router/hybrid.py)."""
+    suffix of 2 or more tokens matched, the draft pool's in other rounds."""
     call = stream_complete if stream else complete
     drafted = {"ngram": 0, "suffix": 0, "draft_model": 0}
     lookup = "suffix" if method == "suffix" else "ngram"
@@ -184,16 +183,10 @@ def test_prompt_lookup_greedy_equals_target_only(apps, reference, method, k, str
         assert got["choices"][0]["finish_reason"] == want["finish_reason"]
         for kind, counts in got["speculation"]["by_kind"].items():
             drafted[kind] += counts["drafted_tokens"]
+    assert drafted[lookup] > 0
     if method == "hybrid":
-        # Which kind drafts a round is measured (router/hybrid.py): within one case the faster
-        # kind may draft every round, but the router has run and measured both by now.
-        from ray import serve
-
-        arms = serve.get_deployment_handle("router", "spec-perturbed").describe.remote().result()["hybrid"]
-        assert sum(arm["lookup_rounds"] for arm in arms.values()) > 0
-        assert sum(arm["pool_rounds"] for arm in arms.values()) > 0
+        assert drafted["draft_model"] > 0
     else:
-        assert drafted[lookup] > 0
         assert drafted["draft_model"] == 0 and drafted["ngram" if method == "suffix" else "suffix"] == 0
 
 
