@@ -22,9 +22,14 @@ _OTHERS = ((20, 25, 5), (37, _PROMPT + _NEW, 3))   # beside it: (prefill, then l
 
 
 def batch_invariant(runner: ModelRunner) -> bool:
+    """Both checks below pass; the probes' caches are released after."""
+    return _steps_equal_a_verify(runner) and _prefills_equal_with_drafts_beside_others(runner)
+
+
+def _steps_equal_a_verify(runner: ModelRunner) -> bool:
     """True if one sequence's logits are bitwise the same computed step by step alone and
     computed as one verify-like call of _NEW + 1 positions beside two other sequences whose
-    windows are longer and shorter. Its caches are released after."""
+    windows are longer and shorter."""
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(runner.vocab_size, (1 + len(_OTHERS), _PROMPT + _NEW), generator=generator).tolist()
     probed, others = "_invariance-probed", [f"_invariance-{i}" for i in range(len(_OTHERS))]
@@ -42,3 +47,26 @@ def batch_invariant(runner: ModelRunner) -> bool:
         for seq_id in (probed, *others):
             runner.release(seq_id)
     return torch.equal(torch.cat(alone), together[0].logits)
+
+
+_PREFILL, _PREFILL_ROWS, _DRAFTS = 128, 8, 2
+
+
+def _prefills_equal_with_drafts_beside_others(runner: ModelRunner) -> bool:
+    """True if a prompt's prefill alone gives its last position the same logits as a first
+    verify does, which prefills the prompt with drafts on top beside other such rows: the
+    call shape of a batch of new requests (_PREFILL_ROWS rows of _PREFILL + _DRAFTS positions).
+    On this machine's CPU the first check passed and this one failed before the attention's
+    sum over keys was chunked (llama_forward._weighted_values)."""
+    generator = torch.Generator().manual_seed(1)
+    length = min(_PREFILL + _DRAFTS, runner.max_seq_len)
+    tokens = torch.randint(runner.vocab_size, (_PREFILL_ROWS, length), generator=generator).tolist()
+    names = [f"_invariance-prefill-{i}" for i in range(_PREFILL_ROWS)]
+    try:
+        alone = runner.extend(names[0], tokens[0][:length - _DRAFTS], 1).logits
+        runner.release(names[0])
+        together = runner.extend_batch([ExtendCall(name, row, _DRAFTS + 1) for name, row in zip(names, tokens)])
+    finally:
+        for name in names:
+            runner.release(name)
+    return torch.equal(alone[0], together[0].logits[0])

@@ -150,7 +150,35 @@ def _batch_invariant_attention(query, key, value, mask, scaling: float) -> torch
     rows and longer windows; ModelRunner checks that on the machine it runs on."""
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * scaling                  # [R, H, N, L]
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(query.dtype)
-    return torch.matmul(weights, value)
+    return _weighted_values(weights, value)
+
+
+_KEY_CHUNK = 64
+
+
+def _weighted_values(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """weights @ value, [R, H, N, L] x [R, H, L, D] -> [R, H, N, D], summed over the keys in
+    chunks of _KEY_CHUNK: the whole chunks in one bfloat16 matmul side by side (views, no
+    copy), the last partial one zero-padded to a whole one, and the chunks' partial sums
+    added in float32 in key order.
+
+    Why: a bfloat16 matmul's sum over L is blocked by oneDNN in an order that depends on L and
+    on N; measured on this CPU, a 128-position prefill's outputs changed with two more masked
+    keys (L 130), and 1 of 16 held-out sequences then differed from the target alone. With the
+    contraction always _KEY_CHUNK long, every chunk is summed the same way in any call, and
+    masked keys (zero weights, zero padding) only add exact zeros after the real ones."""
+    whole, rest = divmod(weights.shape[-1], _KEY_CHUNK)
+    end = whole * _KEY_CHUNK
+    total = None
+    if whole:
+        partial = torch.matmul(weights[..., :end].unflatten(-1, (whole, _KEY_CHUNK)).transpose(2, 3),
+                               value[:, :, :end].unflatten(2, (whole, _KEY_CHUNK)))      # [R, H, C, N, D]
+        total = partial.float().sum(2)
+    if rest:
+        last = torch.matmul(F.pad(weights[..., end:], (0, _KEY_CHUNK - rest)),
+                            F.pad(value[:, :, end:], (0, 0, 0, _KEY_CHUNK - rest))).float()
+        total = last if total is None else total + last
+    return total.to(weights.dtype)
 
 
 def _mlp_input(hidden, norm, gate, up):
