@@ -41,6 +41,11 @@ class RequestGate:
     def queued(self) -> int:
         return len(self._waiting)
 
+    @property
+    def admits(self) -> bool:
+        """Whether a request arriving now would be admitted (run, or wait in line)."""
+        return self.running < self.max_running or len(self._waiting) < self.max_queued
+
     async def enter(self) -> Slot:
         """A slot now, or after waiting in line; GateFull when the line is full too. A caller
         cancelled while waiting leaves the line (or hands on a slot it was just given)."""

@@ -178,7 +178,17 @@ class Router:
 
     @app.get("/health")
     async def health(self) -> dict:
+        """Liveness: answers whenever the process does, however full its line is (a load
+        balancer or probe that restarted a busy router would end every stream it holds)."""
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self) -> dict:
+        """Readiness: 200 while this replica admits requests, 503 while a request would be
+        refused, so that a balancer in front of the routers takes a full one out of rotation."""
+        if not self.gate.admits:
+            raise unavailable("This router is at capacity: every slot and place in line is taken.")
+        return {"status": "ready", "running": self.gate.running, "queued": self.gate.queued}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:

@@ -22,15 +22,16 @@ def test_admits_then_queues_then_refuses_in_arrival_order():
             return slot
 
         waiters = [asyncio.create_task(wait(n)) for n in ("third", "fourth")]
+        assert gate.admits                # both slots taken, the line empty
         await asyncio.sleep(0)
-        assert (gate.running, gate.queued) == (2, 2)
+        assert (gate.running, gate.queued) == (2, 2) and not gate.admits
         with pytest.raises(GateFull):
             await gate.enter()
         assert gate.refused == 1
         first.release()
         first.release()                  # idempotent: frees one slot, not two
         await asyncio.sleep(0)
-        assert order == ["third"] and (gate.running, gate.queued) == (2, 1)
+        assert order == ["third"] and (gate.running, gate.queued) == (2, 1) and gate.admits
         second.release()
         slots = await asyncio.gather(*waiters)
         assert order == ["third", "fourth"]

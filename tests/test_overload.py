@@ -1,5 +1,6 @@
 """Past a router's capacity the excess is refused at once with 429 and Retry-After, every
-admitted request completes exactly, and /health keeps answering within a second."""
+admitted request completes exactly, /health (liveness) keeps answering 200 within a second,
+and /ready (readiness) says 503 while the router is full and 200 again once it is not."""
 
 from __future__ import annotations
 
@@ -30,18 +31,22 @@ def small_router(ray_serve, zoo):
 
 
 class HealthWatch:
-    """Polls /health every 50 ms in the background; keeps each answer's status and latency."""
+    """Polls a path every 50 ms in the background; keeps each answer's status and latency,
+    and the body of the first 503."""
 
-    def __init__(self, url: str):
-        self.url, self.samples, self._stop = url, [], threading.Event()
+    def __init__(self, url: str, path: str = "/health"):
+        self.url, self.path, self.samples, self._stop = url, path, [], threading.Event()
+        self.unavailable_body = None
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
         with httpx.Client(timeout=10) as client:
             while not self._stop.is_set():
                 started = time.monotonic()
-                status = client.get(f"{self.url}/health").status_code
-                self.samples.append((status, time.monotonic() - started))
+                response = client.get(f"{self.url}{self.path}")
+                self.samples.append((response.status_code, time.monotonic() - started))
+                if response.status_code == 503 and self.unavailable_body is None:
+                    self.unavailable_body = response.json()
                 time.sleep(0.05)
 
     def __enter__(self) -> "HealthWatch":
@@ -79,8 +84,10 @@ def test_past_capacity_the_excess_gets_429_and_the_admitted_complete_exactly(sma
         barrier.wait()    # all at once
         return one_client(small_router, index)
 
-    with HealthWatch(small_router) as health, ThreadPoolExecutor(CLIENTS) as pool:
+    with HealthWatch(small_router) as health, HealthWatch(small_router, "/ready") as ready, \
+            ThreadPoolExecutor(CLIENTS) as pool:
         outcomes = list(pool.map(client, range(CLIENTS)))
+        time.sleep(0.2)         # a readiness answer after the last request finished
     admitted = [(i, o) for i, o in enumerate(outcomes) if o[0] == 200]
     refused = [o for o in outcomes if o[0] != 200]
     assert len(admitted) >= MAX_RUNNING + MAX_QUEUED and refused, [o[0] for o in outcomes]
@@ -94,3 +101,7 @@ def test_past_capacity_the_excess_gets_429_and_the_admitted_complete_exactly(sma
     assert max(o[2] for o in refused) < min(o[4] for _, o in admitted)
     assert health.samples and all(status == 200 for status, _ in health.samples)
     assert max(latency for _, latency in health.samples) < 1.0, health.samples
+    statuses = [status for status, _ in ready.samples]
+    assert set(statuses) == {200, 503} and statuses[-1] == 200, statuses
+    assert ready.unavailable_body["error"]["code"] == "service_unavailable"
+    assert max(latency for _, latency in ready.samples) < 1.0, ready.samples
