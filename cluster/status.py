@@ -43,9 +43,9 @@ def run(args: argparse.Namespace) -> int:
             if deployment is None:
                 print(f"  {name:<7} missing")
                 continue
-            states = _replica_states(args.app, name, deployment.replica_states.get("RUNNING", 0))
+            states = replica_states(args.app, name, deployment.replica_states.get("RUNNING", 0))
             print(_pool_line(name, deployment, states, nodes))
-        routers = _replica_states(args.app, "router", app.deployments["router"].replica_states.get("RUNNING", 0))
+        routers = replica_states(args.app, "router", app.deployments["router"].replica_states.get("RUNNING", 0))
         print(_traffic_line(routers))
         for line in _adaptive_lines(routers):
             print(line)
@@ -54,7 +54,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replica_states(app: str, deployment: str, running: int) -> list[dict]:
+def running_replicas(app: str, deployment: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications.get(app)
+    found = status.deployments.get(deployment) if status is not None else None
+    return found.replica_states.get("RUNNING", 0) if found is not None else 0
+
+
+def replica_states(app: str, deployment: str, running: int) -> list[dict]:
     """describe() of each running replica, found by pid."""
     from ray import serve
 
