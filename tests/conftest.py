@@ -158,7 +158,8 @@ def deploy(ray_serve: str, name: str, config: ClusterConfig) -> str:
 # head): they run first, before the session's Ray and its apps exist. Idle, that Ray takes a
 # quarter of this 2-core machine (about 0.5 cores with its three apps, measured with
 # /proc/stat), which every process of another cluster would compete with.
-OWN_RAY_MODULES = ("test_cli_up.py", "test_multinode.py", "test_ray_job.py", "test_vllm_fresh_start.py")
+OWN_RAY_MODULES = ("test_cli_up.py", "test_multinode.py", "test_ray_job.py", "test_vllm_fresh_start.py",
+                   "test_network_faults.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
