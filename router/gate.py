@@ -44,7 +44,7 @@ class RequestGate:
     @property
     def admits(self) -> bool:
         """Whether a request arriving now would be admitted (run, or wait in line)."""
-        return self.running < self.max_running or len(self._waiting) < self.max_queued
+        return (self.running < self.max_running and not self._waiting) or len(self._waiting) < self.max_queued
 
     async def enter(self) -> Slot:
         """A slot now, or after waiting in line; GateFull when the line is full too. A caller

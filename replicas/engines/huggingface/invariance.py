@@ -60,8 +60,9 @@ def _prefills_equal_with_drafts_beside_others(runner: ModelRunner) -> bool:
     sum over keys was chunked (llama_forward._weighted_values)."""
     generator = torch.Generator().manual_seed(1)
     length = min(_PREFILL + _DRAFTS, runner.max_seq_len)
-    tokens = torch.randint(runner.vocab_size, (_PREFILL_ROWS, length), generator=generator).tolist()
-    names = [f"_invariance-prefill-{i}" for i in range(_PREFILL_ROWS)]
+    rows = min(_PREFILL_ROWS, runner.caches.max_slots)     # a batch the replica's caches can hold
+    tokens = torch.randint(runner.vocab_size, (rows, length), generator=generator).tolist()
+    names = [f"_invariance-prefill-{i}" for i in range(rows)]
     try:
         alone = runner.extend(names[0], tokens[0][:length - _DRAFTS], 1).logits
         runner.release(names[0])
