@@ -76,6 +76,8 @@ def test_the_busy_pool_scales_up_under_load_and_back_down(ray_serve, zoo, greedy
     # Up: the queue must fill the look-back window and outlast the upscale delay, a push must
     # report it, and the new replica must start under load.
     up_deadline_s = SCALING["look_back_s"] + SCALING["upscale_delay_s"] + 2 * metric_push_s() + START_UNDER_LOAD * start_s
+    # Down: the same window and delay, then the replica scaled away drains (Serve's graceful
+    # shutdown allows it 20 s).
     down_deadline_s = SCALING["look_back_s"] + SCALING["downscale_delay_s"] + 2 * metric_push_s() + 30
     stop, results, log = threading.Event(), [], ReplicaLog("scaling")
 

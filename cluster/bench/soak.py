@@ -142,8 +142,7 @@ async def client(http, url, model, max_tokens, index, references, tally, stop: a
 
 async def references_of(http, url, model, max_tokens) -> dict:
     """The target alone's answer to every request the clients can send."""
-    keys = sorted({request_mix(c, t).answer_key for c in range(len(PROMPTS)) for t in range(64)},
-                  key=lambda key: (key[0], key[1] or 0))
+    keys = [(prompt, seed) for prompt in PROMPTS for seed in SEEDS]
     limit = asyncio.Semaphore(_REFERENCE_CONCURRENCY)
 
     async def one(key):
