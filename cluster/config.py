@@ -37,7 +37,8 @@ class ModelSpec(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and activations dtype on the replica. 'auto': the checkpoint's own "
         "(config.json) where the device computes it natively (a GPU; a CPU with oneDNN's bfloat16 kernels for "
-        "bfloat16), float32 elsewhere. A target in bfloat16 or float16 runs so only where its forward is "
+        "bfloat16), float32 elsewhere; where a CPU could take either, the replica (one process) times both at start "
+        "and runs in the faster. A target in bfloat16 or float16 runs so only where its forward is "
         "checked batch-invariant at start (exact speculation), in float32 elsewhere, with a warning.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' takes a GPU when the replica was given one, else the CPU.")

@@ -6,6 +6,7 @@ tokens); a target whose forward fails the check runs in float32."""
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def target_spec(dtype: str):
 
 def test_a_target_failing_the_check_runs_in_float32_with_a_warning(monkeypatch, caplog):
     spec, pool = target_spec("bfloat16")
-    assert huggingface.build("target", spec, pool, 512).describe()["dtype"] == "bfloat16"
+    described = huggingface.build("target", spec, pool, 512).describe()
+    assert (described["dtype"], described["dtype_scores_ms"]) == ("bfloat16", None)   # named: not measured
     monkeypatch.setattr("replicas.engines.huggingface.invariance.batch_invariant", lambda runner: False)
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
         engine = huggingface.build("target", spec, pool, 512)
@@ -152,3 +154,26 @@ def test_auto_dtype_is_the_checkpoints_where_the_cpu_computes_it_natively(monkey
     monkeypatch.setattr(loading, "_cpu_bfloat16", lambda: False)
     assert loading.model_dtype(spec, cpu) == torch.float32
     assert loading.model_dtype(spec.model_copy(update={"dtype": "bfloat16"}), cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("slowed, expected", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_auto_dtype_on_a_cpu_runs_in_the_dtype_measured_faster(monkeypatch, slowed, expected):
+    """Where both dtypes are exact, 'auto' times both runners at start and keeps the faster:
+    here one dtype's forward is made 20 ms slower, and the replica must run in the other."""
+    from replicas.engines.huggingface import loading
+
+    monkeypatch.setattr(loading, "_cpu_bfloat16", lambda: True)
+    extend = ModelRunner.extend_batch
+
+    def slowed_extend(runner, calls):
+        if runner.model.dtype == getattr(torch, slowed):
+            time.sleep(0.02)
+        return extend(runner, calls)
+
+    monkeypatch.setattr(ModelRunner, "extend_batch", slowed_extend)
+    config = ClusterConfig.model_validate({"models": {role: {"path": f"models/{role}", "dtype": "auto"}
+                                                      for role in ("target", "draft")}})
+    engine = huggingface.build("draft", config.models.draft, config.pools.draft, 512)
+    scores = engine.describe()["dtype_scores_ms"]
+    assert engine.describe()["dtype"] == expected and scores[slowed] > scores[expected] + 15, scores
+    assert next(engine.runner.model.parameters()).dtype == getattr(torch, expected)

@@ -21,15 +21,17 @@ logger = logging.getLogger("ray.serve")
 
 def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig,
           max_seq_len: int) -> DraftEngine | TargetEngine:
-    if role == "draft":
-        return DraftEngine(_runner(spec, pool, max_seq_len))
-    return TargetEngine(_exact_runner(spec, pool, max_seq_len))
+    runner = _runner(spec, pool, max_seq_len)
+    if role == "target":
+        runner = _exact(runner, spec, pool, max_seq_len)
+    if _auto_may_take_float32(spec, pool, runner):
+        runner = _faster_of(runner, _runner(_float32(spec), pool, max_seq_len), pool.batching.max_batch_size)
+    return (DraftEngine if role == "draft" else TargetEngine)(runner)
 
 
-def _exact_runner(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> Runner:
+def _exact(runner: Runner, spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> Runner:
     """A target in reduced precision runs only where its forward is batch-invariant
     (invariance.py); elsewhere in float32, with a warning. A draft's dtype moves no output."""
-    runner = _runner(spec, pool, max_seq_len)
     if pool.tp_size > 1 or runner.model.dtype == torch.float32:    # a group's shards all-reduce: not probed alone
         return runner
     from replicas.engines.huggingface.invariance import batch_invariant
@@ -39,7 +41,29 @@ def _exact_runner(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> 
     logger.warning("the target's %s forward is not batch-invariant on this machine (a verify's logits would "
                    "differ from single steps, and speculation would change greedy output): it runs in float32",
                    runner.model.dtype)
-    return _runner(spec.model_copy(update={"dtype": "float32"}), pool, max_seq_len)
+    return _runner(_float32(spec), pool, max_seq_len)
+
+
+def _auto_may_take_float32(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, runner: Runner) -> bool:
+    """'auto' on a CPU that computes the checkpoint's reduced precision natively: either dtype
+    is exact, so the faster is measured (dtype_choice.py). A tensor-parallel group is not."""
+    return (spec.dtype == "auto" and pool.tp_size == 1 and runner.device.type == "cpu"
+            and runner.model.dtype != torch.float32)
+
+
+def _faster_of(reduced: Runner, full: Runner, max_rows: int) -> Runner:
+    from replicas.engines.huggingface.dtype_choice import faster
+
+    runners = {str(r.model.dtype).removeprefix("torch."): r for r in (reduced, full)}
+    chosen, scores = faster(runners, max_rows)
+    logger.info("dtype auto: forward ms (geometric mean over 1 and %d rows, 1 and 5 positions) %s: runs in %s",
+                max_rows, scores, chosen)
+    runners[chosen].dtype_scores_ms = scores
+    return runners[chosen]
+
+
+def _float32(spec: ModelSpec) -> ModelSpec:
+    return spec.model_copy(update={"dtype": "float32"})
 
 
 def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int) -> Runner:

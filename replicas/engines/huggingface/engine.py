@@ -22,6 +22,7 @@ from replicas.engines.huggingface.kv_cache import KVCacheStore
 from replicas.logits_processing import adjusted_logits
 from replicas.logprobs import token_logprobs
 from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
+from replicas.engines.huggingface.timing import forward_ms
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.gumbel import gumbel_choices
 from replicas.sampling import (NonFiniteDistribution, check_finite, make_generator, sample, sampleable,
@@ -63,6 +64,7 @@ class _Engine:
         shards = getattr(self.runner, "shards", None)
         return {"engine": "huggingface", "tp_size": len(shards) if shards else 1,
                 "compile_s": getattr(self.runner, "compile_s", None), "dtype": _dtype_name(self.runner),
+                "dtype_scores_ms": getattr(self.runner, "dtype_scores_ms", None),
                 "shards": [vars(s) for s in shards] if shards else None,
                 "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
@@ -78,23 +80,9 @@ class _Engine:
         top of `context` cached ones, for R in `rows` and N in `positions`: a decode step of R
         sequences is N = 1, a verify of k drafts N = k + 1. The router's prior for k comes from
         it (router/goodput.py); measuring it also warms the engine up."""
-        table = [[self._forward_ms(count, new, context, repeats) for new in positions] for count in rows]
+        table = [[round(forward_ms(self.runner, count, new, context, repeats), 3) for new in positions]
+                 for count in rows]
         return {"rows": list(rows), "positions": list(positions), "ms": table}
-
-    def _forward_ms(self, count: int, new: int, context: int, repeats: int) -> float:
-        vocab = self.runner.vocab_size
-        calls = [ExtendCall(f"_profile-{count}-{new}-{i}",
-                            [(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(context + new)], new)
-                 for i in range(count)]
-        self.runner.extend_batch(calls)          # the contexts, not timed
-        times = []
-        for _ in range(repeats):                 # the last `new` positions of each, again
-            started = time.perf_counter()
-            self.runner.extend_batch(calls)
-            times.append((time.perf_counter() - started) * 1000)
-        for call in calls:
-            self.runner.release(call.seq_id)
-        return round(sorted(times)[len(times) // 2], 3)
 
 
 class DraftEngine(_Engine):
