@@ -137,6 +137,11 @@ class KVCacheConfig(Strict):
                                  "max_tokens // limits.context_length slots of limits.context_length positions; "
                                  "beyond this the least recently used sequences are evicted and rebuilt from "
                                  "their token ids on their next call.")
+    prefix_caching: bool = Field(
+        True, description="Keep finished sequences' caches (evicted first) and start a new sequence from the "
+                          "longest prefix of its tokens, 16 positions or more, that any cached sequence holds: "
+                          "a prompt asked again, a shared system prompt or a chat's next turn computes only what "
+                          "is new (vLLM's automatic prefix caching). The Hugging Face engine.")
 
 
 class BatchingConfig(Strict):

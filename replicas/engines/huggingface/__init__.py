@@ -74,7 +74,8 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(spec.compile_cache_dir)   # read when inductor writes
         from replicas.engines.huggingface.model_runner import ModelRunner
 
-        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len, compiled=spec.compile == "on")
+        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len, compiled=spec.compile == "on",
+                           prefix_caching=pool.kv_cache.prefix_caching)
     from replicas.engines.huggingface.shard_group import launch_in_placement_group
 
     if spec.compile == "on":
@@ -82,4 +83,4 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
                        "the shards run eager")
 
     return launch_in_placement_group(spec, pool.kv_cache.max_tokens, max_seq_len, pool.tp_size,
-                                     pool.resources.ray_actor_options())
+                                     pool.resources.ray_actor_options(), pool.kv_cache.prefix_caching)

@@ -39,6 +39,8 @@ class Runner(Protocol):
 
     def release(self, seq_id: str) -> None: ...
 
+    def retire(self, seq_id: str) -> None: ...
+
 
 def _dtype_name(runner: Runner) -> str | None:
     """The dtype the runner's model runs in (a target may fall back to float32, __init__.py)."""
@@ -57,7 +59,8 @@ class _Engine:
         return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled))
 
     def release(self, seq_id: str) -> None:
-        self.runner.release(seq_id)
+        """The sequence has finished (the router says so)."""
+        self.runner.retire(seq_id)
 
     def describe(self) -> dict:
         caches = self.runner.caches
@@ -66,7 +69,8 @@ class _Engine:
                 "compile_s": getattr(self.runner, "compile_s", None), "dtype": _dtype_name(self.runner),
                 "dtype_scores_ms": getattr(self.runner, "dtype_scores_ms", None),
                 "shards": [vars(s) for s in shards] if shards else None,
-                "cached_sequences": len(caches), "cached_tokens": caches.cached_tokens,
+                "cached_sequences": len(caches) - caches.retired, "retired_sequences": caches.retired,
+                "cached_tokens": caches.cached_tokens, "shared_prefix_positions": caches.shared_positions,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
                 "kv_slots": caches.capacity, "max_kv_slots": caches.max_slots, "slot_moves": caches.moves,
                 "reused_positions": caches.reused_positions, "computed_positions": caches.computed_positions}

@@ -13,6 +13,13 @@ memory: cached positions (`max_tokens`) and slots (`max_tokens // max_seq_len`, 
 A batch that needs more slots than that grows the storage while it runs; the store then
 keeps no more sequences than the budget allows.
 
+A finished sequence's cache is kept too (`retire`), as the first to evict: a later sequence
+whose tokens begin the same way (the same prompt asked again, a shared system prompt, the
+next turn of a chat) takes the longest such prefix from any cached sequence, retired or
+running (`share_prefix`), instead of computing it; vLLM calls this automatic prefix caching.
+A retired donor hands its slot over; a running one's prefix is copied into a slot of the
+new sequence's own.
+
 Batches run over a range of adjacent slots (the batch's own plus a few holes that compute
 nothing anyone keeps), so `place` keeps a batch's slots close: new sequences take free
 slots next to the batch's others, and a batch spread too thin is moved together once.
@@ -21,10 +28,28 @@ slots next to the batch's others, and a batch spread too thin is moved together 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
 SCRATCH_SLOT = 0
+MIN_SHARED_PREFIX = 16     # positions: a shorter common start (a BOS token, a word) is not looked for
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class Retired:
+    """The index key of a finished sequence's cache: no call names it."""
+    number: int
 
 
 @dataclass
@@ -60,7 +85,9 @@ class KVCacheStore:
         self.moves = 0                     # sequences' caches moved to bring a batch together
         self.reused_positions = 0          # positions calls found cached, so not computed again
         self.computed_positions = 0        # positions forward passes computed
-        self._entries: OrderedDict[str, CachedSequence] = OrderedDict()
+        self.shared_positions = 0          # positions new sequences took from other sequences' caches
+        self._entries: OrderedDict[str | Retired, CachedSequence] = OrderedDict()
+        self._retired_numbers = itertools.count()
         self._free: list[int] = []         # a heap: the lowest free slot first
         self._tokens = 0
 
@@ -114,6 +141,48 @@ class KVCacheStore:
             self._release(evicted)
             self.evictions += 1
 
+    def retire(self, seq_id: str) -> None:
+        """seq_id has finished: its cache stays as a donor of prefixes, first to be evicted."""
+        entry = self._entries.pop(seq_id, None)
+        if entry is not None:
+            key = Retired(next(self._retired_numbers))
+            self._entries[key] = entry
+            self._entries.move_to_end(key, last=False)
+
+    def share_prefix(self, seq_id: str, tokens: list[int], limit: int, batch: set[str]) -> SlotMove | None:
+        """Give seq_id, which has no cache, the longest prefix of `tokens` (at most `limit`
+        positions, and at least MIN_SHARED_PREFIX) that a cached sequence holds. A retired
+        donor's slot becomes seq_id's; a running donor's prefix must be copied into the slot
+        taken here (the returned move, to make before the next forward pass). None: no donor."""
+        donor, length = self._longest_prefix(tokens, limit)
+        if donor is None:
+            return None
+        self.shared_positions += length
+        if isinstance(donor, Retired):
+            entry = self._entries.pop(donor)
+            self._tokens -= len(entry) - length
+            entry.tokens = tokens[:length]
+            self._entries[seq_id] = entry
+            return None
+        source = self._entries[donor].slot
+        slot = self._take_slot(near=[source], batch=batch | {donor})
+        self._entries[seq_id] = CachedSequence(tokens[:length], slot)
+        self._tokens += length
+        return SlotMove(source, slot, length)
+
+    def _longest_prefix(self, tokens: list[int], limit: int) -> tuple[str | Retired | None, int]:
+        limit = min(limit, len(tokens))
+        if limit < MIN_SHARED_PREFIX:
+            return None, 0
+        head = tokens[:MIN_SHARED_PREFIX]
+        best, longest = None, MIN_SHARED_PREFIX - 1
+        for key, entry in self._entries.items():
+            if entry.tokens[:MIN_SHARED_PREFIX] == head:    # most entries end here, in C
+                length = min(common_prefix_length(entry.tokens, tokens), limit)
+                if length > longest:
+                    best, longest = key, length
+        return best, longest
+
     def abandon(self, slot: int) -> None:
         """A slot `place` gave out whose forward pass failed: free, its contents unknown."""
         heapq.heappush(self._free, slot)
@@ -138,6 +207,10 @@ class KVCacheStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def retired(self) -> int:
+        return sum(isinstance(key, Retired) for key in self._entries)
 
     def _release(self, entry: CachedSequence) -> None:
         self._tokens -= len(entry)

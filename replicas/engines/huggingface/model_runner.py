@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from replicas.engines.huggingface.kv_cache import KVCacheStore
+from replicas.engines.huggingface.kv_cache import KVCacheStore, common_prefix_length
 from replicas.engines.huggingface.kv_storage import BatchWindow, SlotStorage, layout_rows
 from replicas.engines.huggingface.llama_forward import LlamaForward
 
@@ -54,21 +54,13 @@ class Extension:
     batch_positions: int   # positions that forward pass computed, over all its sequences
 
 
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
-
-
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
-                 lean: bool = True, compiled: bool = False):
+                 lean: bool = True, compiled: bool = False, prefix_caching: bool = True):
         """lean: run a plain Llama decoder through LlamaForward (the same arithmetic with far
         less Python per call); other models, or lean=False, run through their own modules.
+        prefix_caching: a new sequence takes the longest prefix of its tokens that any cached
+        sequence holds, and a finished one (`retire`) stays cached to give it (kv_cache.py).
         compiled: LlamaForward's layers compiled (llama_forward.py), each shape class compiled
         here, before the first call; where that fails, eager with a warning."""
         _check_plain_output_layer(model.config)
@@ -81,6 +73,7 @@ class ModelRunner:
         self.caches = KVCacheStore(max_cached_tokens, self.max_seq_len)
         self.storage = SlotStorage(self.max_seq_len)
         self.compile_s: float | None = None      # how long compiling took, where it ran
+        self.prefix_caching = prefix_caching
         if compiled:
             self._compile()
 
@@ -125,6 +118,8 @@ class ModelRunner:
                                  f"this model's {self.max_seq_len} positions")
         results: list[Extension | None] = [None] * len(calls)
         for wave in _distinct_sequences(calls):
+            if self.prefix_caching:
+                self._share_prefixes([calls[i] for i in wave])
             planned = [self._reusable(calls[i]) for i in wave]
             for group in _padding_groups([len(calls[i].tokens) - p for i, p in zip(wave, planned)]):
                 indices = [wave[g] for g in group]
@@ -133,7 +128,28 @@ class ModelRunner:
         return results
 
     def release(self, seq_id: str) -> None:
+        """Forget the sequence's cache (a probe's, or one that may hold bad numbers)."""
         self.caches.drop(seq_id)
+
+    def retire(self, seq_id: str) -> None:
+        """The sequence has finished: with prefix caching its cache stays for later sequences
+        that begin the same way, else it is forgotten."""
+        if self.prefix_caching:
+            self.caches.retire(seq_id)
+        else:
+            self.caches.drop(seq_id)
+
+    def _share_prefixes(self, calls: list[ExtendCall]) -> None:
+        """Calls of sequences without a cache start from another sequence's common prefix,
+        copied into place before the forward pass that computes the rest."""
+        batch = {call.seq_id for call in calls}
+        for call in calls:
+            if call.seq_id in self.caches:
+                continue
+            move = self.caches.share_prefix(call.seq_id, call.tokens, len(call.tokens) - call.num_logits, batch)
+            if move is not None:
+                self.storage.ensure_capacity(self.caches.capacity)
+                self.storage.move([move])
 
     def cached(self, seq_id: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The sequence's cached keys and values per layer, [1, kv_heads, len, head_dim] views."""

@@ -56,6 +56,7 @@ class ShardPlan:
     world: int
     init_method: str             # tcp://host:port of rank 0's rendezvous
     max_seq_len: int | None = None   # every KV slot's length (None: the model's positions)
+    prefix_caching: bool = True      # model_runner.ModelRunner's
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Shard:
         self.device = _shard_device(plan.spec, rank)
         model = load_causal_lm(plan.spec, device=torch.device("cpu"))
         self.runner = ModelRunner(shard_model(model, rank, plan.world).to(self.device), plan.max_cached_tokens,
-                                  plan.max_seq_len)
+                                  plan.max_seq_len, prefix_caching=plan.prefix_caching)
         self.channel = None
 
     def join(self) -> None:
@@ -135,6 +136,9 @@ class ShardedRunner:
     def release(self, seq_id: str) -> None:
         self._command("release", seq_id)
 
+    def retire(self, seq_id: str) -> None:
+        self._command("retire", seq_id)
+
     def close(self) -> None:
         try:
             dist.broadcast_object_list([("stop", ())], src=0, group=self.shard.channel)
@@ -194,14 +198,15 @@ def _rendezvous(host: str) -> str:
 # ---------------------------------------------------------------- launching the followers
 
 def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int, max_seq_len: int, world: int,
-                              shard_options: dict) -> ShardedRunner:
+                              shard_options: dict, prefix_caching: bool = True) -> ShardedRunner:
     """From inside a Ray actor (a Serve replica) that holds bundle 0 of its placement group:
     followers as Ray actors in bundles 1..world-1, each with `shard_options` (num_cpus,
     num_gpus, resources)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous(ray.util.get_node_ip_address()), max_seq_len)
+    plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous(ray.util.get_node_ip_address()), max_seq_len,
+                     prefix_caching)
     group = ray.util.get_current_placement_group()
     if group is None:
         raise RuntimeError(f"tp_size {world} needs the replica to run in a placement group of {world} bundles")
