@@ -62,6 +62,7 @@ def test_a_batch_with_holes_leaves_the_holes_caches_intact():
         torch.testing.assert_close(result.logits, reference_logits(model, call.tokens, 2), atol=1e-4, rtol=1e-4)
         assert result.positions_fed == 2
     assert runner.caches.moves == 0
+    assert (runner.caches.sequence_rows, runner.caches.window_rows) == (4 + 2, 4 + 4)   # two holes computed
     for seq_id in ("s1", "s2"):
         result = runner.extend(seq_id, tokens[seq_id] + [11], 1)
         assert result.positions_fed == 1                       # its cache was kept, and is right

@@ -73,7 +73,8 @@ class _Engine:
                 "cached_tokens": caches.cached_tokens, "shared_prefix_positions": caches.shared_positions,
                 "max_cached_tokens": caches.max_tokens, "evictions": caches.evictions,
                 "kv_slots": caches.capacity, "max_kv_slots": caches.max_slots, "slot_moves": caches.moves,
-                "reused_positions": caches.reused_positions, "computed_positions": caches.computed_positions}
+                "reused_positions": caches.reused_positions, "computed_positions": caches.computed_positions,
+                "sequence_rows": caches.sequence_rows, "window_rows": caches.window_rows}
 
     def holds(self, seq_id: str) -> bool:
         return seq_id in self.runner.caches

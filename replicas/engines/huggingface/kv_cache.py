@@ -85,6 +85,8 @@ class KVCacheStore:
         self.moves = 0                     # sequences' caches moved to bring a batch together
         self.reused_positions = 0          # positions calls found cached, so not computed again
         self.computed_positions = 0        # positions forward passes computed
+        self.sequence_rows = 0             # rows of forward passes that were sequences
+        self.window_rows = 0               # rows they computed, holes in their slot windows included
         self.shared_positions = 0          # positions new sequences took from other sequences' caches
         self._entries: OrderedDict[str | Retired, CachedSequence] = OrderedDict()
         self._retired_numbers = itertools.count()
@@ -124,6 +126,11 @@ class KVCacheStore:
     def count_forward(self, reused: int, computed: int) -> None:
         self.reused_positions += reused
         self.computed_positions += computed
+
+    def count_rows(self, sequences: int, window: int) -> None:
+        """A forward pass over `sequences` ran over a window of `window` slots (holes between)."""
+        self.sequence_rows += sequences
+        self.window_rows += window
 
     def commit(self, seq_id: str, tokens: list[int], slot: int) -> None:
         """The forward pass left `tokens`' keys/values in `slot`: index them as most recently

@@ -183,6 +183,7 @@ class ModelRunner:
             self.caches.commit(call.seq_id, call.tokens, slots[call.seq_id])
         reused = sum(reuse.values())
         self.caches.count_forward(reused, sum(len(call.tokens) for call in calls) - reused)
+        self.caches.count_rows(len(calls), max(slots.values()) - min(slots.values()) + 1)
         return extensions
 
     def _forward(self, calls: list[ExtendCall], reuse: dict[str, int], slots: dict[str, int]) -> list[Extension]:
