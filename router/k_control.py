@@ -5,7 +5,10 @@ positions costs nearly k + 1 steps on this compute-bound CPU, about one on a mem
 
 Terms:
 - arm: what an adaptive round runs: k drafts (0: the target alone) and, when overlap is
-  "auto", whether it drafts the next window during verification (router/lookahead.py).
+  "auto", whether it drafts the next window during verification (router/lookahead.py); for
+  hybrid requests, whether the draft pool takes part (lookup drafts where a match is long
+  enough, the pool's elsewhere) or lookup drafts alone: at load, a verify batch waits for its
+  slowest row, so a batch that mixes the two kinds runs at the pool's pace (docs/BENCHMARKS.md).
   The k of the arms form a ladder, 0 1 2 4 6 8 12 16 ... within [min_k, max_k] plus the
   configured k: steps large enough for neighbours to differ by more than the noise.
 - load level: the router's sequences in flight when a round starts, bucketed: 1 | 2 | 3-5 |
@@ -93,10 +96,11 @@ _ADAPTIVE_SHARE = 0.75                  # a window of mostly fixed-k requests' r
 class Arm:
     k: int
     overlap: bool = False
+    lookup: bool = False       # a hybrid round's drafts by lookup alone, the draft pool left out
 
     @property
     def name(self) -> str:
-        return f"k={self.k}" + (" overlap" if self.overlap else "")
+        return f"k={self.k}" + (" overlap" if self.overlap else "") + (" lookup" if self.lookup else "")
 
 
 def level_of(load: float) -> int:
@@ -351,13 +355,15 @@ class LevelClimb:
         self._recheck_in = self._recheck_period
 
     def _neighbours(self, arm: Arm, only: int | None = None) -> list[tuple[Arm, int]]:
-        """Challengers of arm: one step down and one up the ladder, the other overlap, and
-        the target alone (speculation must beat it, not only its neighbours); `only` keeps
+        """Challengers of arm: one step down and one up the ladder, the other overlap, the
+        other kind of a hybrid request's drafts, and the target alone (speculation must beat it, not only its neighbours); `only` keeps
         one direction (a climb does not go back the way it came)."""
         out = [(self._step(arm, d), d) for d in (-1, 1) if only in (None, d)]
-        twin = Arm(arm.k, not arm.overlap)
-        if twin in self.arms and only in (None, 0):
-            out.append((twin, 0))
+        # The target alone is no kind of drafts: its other kind's nearest arm is the least k of it.
+        lowest = min((a.k for a in self.arms if a.k), default=0)
+        for twin in (Arm(arm.k, not arm.overlap, arm.lookup), Arm(max(arm.k, lowest), False, not arm.lookup)):
+            if twin in self.arms and only in (None, 0):
+                out.append((twin, 0))
         if Arm(0) in self.arms and only in (None, -1) and self._alone_ratio >= 1 - 3 * MARGIN:
             out.append((Arm(0), _ALONE))
         seen, unique = set(self._tried), []
@@ -372,7 +378,7 @@ class LevelClimb:
         i = ks.index(arm.k) + direction
         if not 0 <= i < len(ks):
             return None
-        same = Arm(ks[i], arm.overlap)
+        same = Arm(ks[i], arm.overlap, arm.lookup)
         return same if same in self.arms else Arm(ks[i], False)
 
     def describe(self) -> dict:
@@ -392,9 +398,10 @@ def _pooled(windows: list[Measure]) -> Measure:
     return total
 
 
-def ladder(min_k: int, max_k: int, k: int, overlap_auto: bool) -> list[Arm]:
+def ladder(min_k: int, max_k: int, k: int, overlap_auto: bool, lookup_twins: bool = False) -> list[Arm]:
     ks = sorted({v for v in _LADDER if min_k <= v <= max_k} | {min_k, max_k, k})
-    return [Arm(v, o) for v in ks for o in ((False, True) if overlap_auto and v else (False,))]
+    arms = [Arm(v, o) for v in ks for o in ((False, True) if overlap_auto and v else (False,))]
+    return arms + [Arm(v, False, True) for v in ks if lookup_twins and v]
 
 
 class KController:
@@ -402,11 +409,15 @@ class KController:
     hysteresis. Every round of the router (fixed-k ones too) counts in its level's windows
     and the keep chances; only windows of mostly adaptive rounds move a climb."""
 
-    def __init__(self, min_k: int, max_k: int, start_k: int, overlap: bool | str = False):
+    def __init__(self, min_k: int, max_k: int, start_k: int, overlap: bool | str = False, hybrid: bool = False):
+        """hybrid: the choice of hybrid requests, whose arms also say whether the draft pool
+        takes part; their rounds draft two kinds with different keep chances, so a round
+        counts the tokens it yielded rather than E(k) of one kind's chances."""
         self.min_k, self.max_k = min_k, max_k
         self.overlap_auto = overlap == "auto"
         self.default_overlap = overlap is True
-        self.arms = ladder(min_k, max_k, start_k, self.overlap_auto)
+        self.hybrid = hybrid
+        self.arms = ladder(min_k, max_k, start_k, self.overlap_auto, lookup_twins=hybrid)
         self.start = Arm(start_k)
         self.keep = KeepChances(max_k)
         self.prior = CostModel(self.keep)     # its profiles come from the pools (router/speculation.py)
@@ -443,7 +454,7 @@ class KController:
         request's cap, and overlap only where it is auto, whatever the climb's state says."""
         arm = self.climb(level).running
         k = min(max(arm.k, self.min_k), self.max_k, max(cap, 0))
-        return Arm(k, arm.overlap and self.overlap_auto and k > 0)
+        return Arm(k, arm.overlap and self.overlap_auto and k > 0, arm.lookup and k > 0)
 
     def overlap_for(self, arm: Arm) -> bool:
         return arm.overlap if self.overlap_auto else self.default_overlap
@@ -462,7 +473,8 @@ class KController:
             self.keep.observe(drafted, accepted)
         if mine:
             self.prior.observe(bool(drafted), round_ms, model_ms)
-        self.climb(level).observe(drafted, whole and mine, accepted + 1 if tokens is None else tokens, round_ms,
+        self.climb(level).observe(drafted, whole and mine and not self.hybrid,
+                                  accepted + 1 if tokens is None else tokens, round_ms,
                                   adaptive and mine, in_flight, time.monotonic() if now is None else now)
 
     def _start_for(self, level: int) -> Arm:
@@ -482,6 +494,7 @@ class KController:
     def describe(self) -> dict:
         ks = sorted({arm.k for arm in self.arms})
         return {"level": level_name(self.level), "k": self.current.k, "overlap": self.current.overlap,
+                **({"lookup_alone": self.current.lookup} if self.hybrid else {}),
                 "load": self.load,
                 "keep_chances": [round(h, 3) for h in self.keep.chances()],
                 "levels": {level_name(level): climb.describe() for level, climb in sorted(self.levels.items())},

@@ -241,8 +241,9 @@ class SpeculationLoop:
                                      abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
         self.drafts = DraftAvailability(self._probe_drafts, timeouts.draft_s)
         self.control = control
-        self.lookup_controls = {method: KController(control.min_k, control.max_k, control.start.k)
-                                for method in ("ngram", "suffix")}
+        self.lookup_controls = {method: KController(control.min_k, control.max_k, control.start.k,
+                                                    hybrid=method == "hybrid")
+                                for method in ("ngram", "suffix", "hybrid")}
         self.outputs = OutputCache(suffix_cache_tokens) if suffix_cache_tokens else None
         self.metrics = metrics            # router/metrics.py RouterMetrics, or None
         self._profiles_task: asyncio.Task | None = None
@@ -326,14 +327,15 @@ class SpeculationLoop:
         control = self._control_of(gen)
         level = levels[id(control)]
         arm, whole = self._arm(gen, control, cap, level)
-        k, overlap = arm.k, arm.overlap
+        k, overlap = arm.k, arm.overlap and not arm.lookup
         stats.k_chosen += k
         fallbacks_before = stats.fallback_rounds
         ready = await self._drafts_ahead(ahead, k, stats)
         if ready is not None:
             drafts, probs, proposal = ready.tokens, ready.probs, None   # drafted off this round's path
         else:
-            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats, max(cap, 0))
+            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats, max(cap, 0),
+                                                         lookup_alone=arm.lookup)
         # model drafts come with a proposal; a suffix request's drafts are all suffix drafts
         looked_up = bool(drafts) and ready is None and proposal is None
         kind = ("suffix" if gen.method == "suffix" else "ngram") if looked_up else "draft_model"
@@ -382,7 +384,8 @@ class SpeculationLoop:
         return [self.control, *self.lookup_controls.values()]
 
     def _control_of(self, gen: Generation) -> KController:
-        """The measured choice this request's k follows: its lookup method's for lookup requests."""
+        """The measured choice this request's k follows: its method's for lookup and hybrid
+        requests, the draft pool's for the others."""
         return self.lookup_controls.get(gen.method, self.control)
 
     def _plain_steps(self, drafts: list[int], cap: int, round_index: int) -> int:
@@ -407,7 +410,7 @@ class SpeculationLoop:
             overlap = (chosen or control.choose(level, control.max_k)).overlap
         else:
             overlap = bool(gen.overlap)
-        return Arm(k, overlap and k > 0), whole
+        return Arm(k, overlap and k > 0, chosen is not None and chosen.lookup and k > 0), whole
 
     @staticmethod
     def _noise_seed(gen: Generation) -> int | None:
@@ -477,11 +480,15 @@ class SpeculationLoop:
                 logger.warning("no cost profile from the %s pool yet", pool, exc_info=True)
 
     async def _drafts(self, lane: str, seq_id: str, tokens: list[int], k: int, gen: Generation,
-                      stats: SpeculationStats, room: int) -> tuple[list[int], object, object]:
+                      stats: SpeculationStats, room: int, lookup_alone: bool = False) -> tuple[list[int], object, object]:
         """k drafts, their probabilities q and the proposal; none when k is 0 or the drafts
         are unavailable. A hybrid round takes up to lookup.k drafts from a long enough match
-        instead, whatever its k, within `room` (the drafts the request's end leaves space for)."""
+        instead, whatever its k, within `room` (the drafts the request's end leaves space for);
+        with `lookup_alone` (its measured choice, router/k_control.py) k drafts by lookup, as
+        ngram would, and never the draft pool's."""
         # Lookup drafts go without probs: q one-hot, as the target's rule then takes it.
+        if gen.method == "hybrid" and lookup_alone:
+            return lookup_drafts(tokens, k), None, None
         if gen.method == "hybrid" and room > 0:
             drafts, matched = lookup_match(tokens, min(self.lookup.k, room))
             if matched >= self.lookup.hybrid_min_ngram:

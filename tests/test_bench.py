@@ -23,14 +23,16 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     assert code == 0
     report = json.loads(out.read_text())
     assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
-    fixed = ["adaptive", "speculative", "target_only", "ngram", "suffix", "hybrid", "ngram_adaptive",
-             "suffix_adaptive", "overlap", "no_overlap"]   # overlap may be on
+    fixed = ["adaptive", "speculative", "target_only", "ngram", "suffix", "hybrid", "hybrid_adaptive",
+             "ngram_adaptive", "suffix_adaptive", "overlap", "no_overlap"]   # overlap may be on
     for run in report["closed_loop"]:             # the sweep at every concurrency
         assert run["modes"] == fixed + ["k=2"]
     # the router's choice, after each run (the served app's lookup requests take k fixed: only adaptive's)
     choices = report["closed_loop"][0]["adaptive"]["choice_after_each_run"]
     assert len(choices) == 2 and all(set(c) >= {"choice", "settled_after_rounds", "tokens_per_s"} for [c] in choices)
     assert [c["rounds"] for [c] in report["closed_loop"][0]["ngram_adaptive"]["choice_after_each_run"]] == [0, 0]
+    hybrid = [c["rounds"] for [c] in report["closed_loop"][0]["hybrid_adaptive"]["choice_after_each_run"]]
+    assert 0 < hybrid[0] < hybrid[1]          # hybrid requests without a k follow hybrid's own choice
     for run in report["closed_loop"]:
         assert run["no_overlap"]["lookahead_hit_rate"] == run["no_overlap"]["draft_hidden_share"] == 0.0
     for run in report["closed_loop"]:

@@ -319,3 +319,43 @@ def test_a_target_alone_that_runs_several_steps_a_call_is_chosen_where_it_is_fas
         control.observe(level, arm.k, tokens - 1, ms, 0.0, 8, adaptive=True, whole=True, now=cluster.clock,
                         tokens=tokens)
     assert control.climb(level).incumbent == Arm(0)
+
+
+@dataclass
+class HybridCluster(SimulatedCluster):
+    """Hybrid rounds: with the draft pool taking part, drafts kept with `keep` at the pool's
+    cost; lookup drafts alone cost no draft time and are kept with `lookup_keep`."""
+    lookup_keep: float = 0.5
+
+    def mean_ms(self, arm: Arm, load: int) -> float:
+        return super().mean_ms(Arm(0 if arm.lookup else arm.k), load) + (
+            self.verify_per_position_ms * load * arm.k if arm.lookup else 0.0)
+
+    def expected_tokens(self, k: int, lookup: bool = False) -> float:
+        keep = self.lookup_keep if lookup else self.keep
+        return sum(keep ** i for i in range(k + 1))
+
+    def round(self, arm: Arm, load: int) -> tuple[int, float]:
+        pool_keep = self.keep
+        self.keep = self.lookup_keep if arm.lookup else pool_keep
+        try:
+            return super().round(arm, load)
+        finally:
+            self.keep = pool_keep
+
+
+@pytest.mark.parametrize("lookup_keep, pool_keep, expect_lookup", [(0.8, 0.82, True), (0.2, 0.9, False)])
+def test_hybrid_takes_lookup_alone_where_it_measures_faster_and_the_pool_where_it_does(
+        lookup_keep, pool_keep, expect_lookup):
+    """At 8 sequences, lookup drafts kept about as often as the pool's win by the draft time
+    they save; kept far less often, the pool's drafts are worth their cost."""
+    cluster = HybridCluster(verify_fixed_ms=8.0, verify_per_position_ms=0.5, draft_fixed_ms=3.0,
+                            draft_per_row_ms=0.3, keep=pool_keep, lookup_keep=lookup_keep, seed=11)
+    control = KController(min_k=0, max_k=8, start_k=4, hybrid=True)
+    assert Arm(4, False, True) in control.arms and Arm(0, False, True) not in control.arms
+    arms = drive(control, cluster, 8, 240.0)
+    incumbent = control.levels[level_of(8)].incumbent
+    assert incumbent.lookup == expect_lookup and incumbent.k > 0, control.describe()
+    assert any(arm.lookup for arm in arms) and any(not arm.lookup for arm in arms)
+    plain = KController(min_k=0, max_k=8, start_k=4)
+    assert not any(arm.lookup for arm in plain.arms)

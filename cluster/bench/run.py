@@ -7,8 +7,9 @@ Modes, in every load phase: `adaptive` (the server chooses k, when its config ad
 `speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
 off), `ngram` (prompt lookup in the router, k = --k), `suffix` (lookup in the sequence and
 the router's recent outputs, k = --k), `ngram_adaptive` and `suffix_adaptive` (k by the
-router's measured choice for that method) and `hybrid` (lookup where it matched, the draft
-pool elsewhere, k = --k), where the server serves them; where the server may overlap
+router's measured choice for that method), `hybrid` (lookup where it matched, the draft
+pool elsewhere, k = --k) and `hybrid_adaptive` (k, and whether the draft pool takes part, by
+the router's measured choice for hybrid requests), where the server serves them; where the server may overlap
 drafting `overlap` and `no_overlap` (k fixed, overlap fixed on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
 fixed), with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI server on the
 same pair, speculating and alone: cluster/bench/vllm_server.py); at every concurrency also every k of --sweep-k, fixed. Every phase runs
@@ -140,6 +141,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         modes["suffix"] = replace(speculative, speculation={"method": "suffix", "k": k})
     if "hybrid" in config.speculation.methods:  # lookup where it matched, the draft pool elsewhere
         modes["hybrid"] = replace(speculative, speculation={"method": "hybrid", "k": k})
+    if config.speculation.adaptive and "hybrid" in config.speculation.methods:   # its own choice, pool or lookup
+        modes["hybrid_adaptive"] = replace(speculative, speculation={"method": "hybrid"})
     if config.speculation.adaptive and (pool["method"] == "draft_model" or config.speculation.adaptive_lookup):
         modes = {"adaptive": replace(speculative, speculation=pool), **modes}
         for method in ("ngram", "suffix"):   # lookup's own choice of k
@@ -263,7 +266,7 @@ def _against_vllm(summaries: dict) -> dict:
 
 # The adaptive modes, and where a router's describe() holds the measured choice they follow.
 _CHOICE_OF = {"adaptive": ("adaptive",), "ngram_adaptive": ("adaptive_lookup", "ngram"),
-              "suffix_adaptive": ("adaptive_lookup", "suffix")}
+              "suffix_adaptive": ("adaptive_lookup", "suffix"), "hybrid_adaptive": ("adaptive_lookup", "hybrid")}
 
 
 def _adaptive_choice(app: str | None, concurrency, path: tuple[str, ...] = ("adaptive",)) -> list[dict] | str:
