@@ -47,8 +47,9 @@ class Host:
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 
 
-def run(*command: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, check=check, timeout=timeout, env=ENV)
+def run(*command: str, check: bool = True, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, check=check, timeout=timeout,
+                          env={**ENV, **(env or {})})
 
 
 def in_host(host: Host, *command: str, **options) -> subprocess.CompletedProcess:
@@ -100,30 +101,43 @@ class Hosts:
 
     def remove(self) -> None:
         for host in self.hosts:
-            pids = run("ip", "netns", "pids", host.name, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if pids:
-                time.sleep(0.5)
+            kill_processes(host)
             run("ip", "netns", "del", host.name, check=False)
             run("ip", "link", "del", host.bridge_end, check=False)
         run("ip", "link", "del", BRIDGE, check=False)
         shutil.rmtree(TEMP_DIR, ignore_errors=True)
 
 
-def start_ray(head: Host, workers: list[Host]) -> None:
-    """A Ray head in the first host, a worker in each other, each declaring its node kind."""
-    common = ["--num-cpus", "1", "--disable-usage-stats", "--include-log-monitor=false"]
+def kill_processes(host: Host) -> None:
+    """Every process in the host's namespace, as when its machine goes away (`ray stop` would
+    find Ray's processes in every namespace of this machine, not only this host's)."""
+    pids = run("ip", "netns", "pids", host.name, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if pids:
+        time.sleep(0.5)
+
+
+_COMMON = ["--num-cpus", "1", "--disable-usage-stats", "--include-log-monitor=false"]
+
+
+def start_ray(head: Host, workers: list[Host], head_env: dict | None = None) -> None:
+    """A Ray head in the first host, a worker in each other, each declaring its node kind;
+    head_env: settings of the head's GCS (RAY_health_check_* say when a node is dead)."""
     in_host(head, str(RAY), "start", "--head", "--node-ip-address", head.address, "--port", str(RAY_PORT),
             "--include-dashboard=false", "--temp-dir", str(TEMP_DIR), "--resources", json.dumps(head.resources),
-            *common, timeout=180)
+            *_COMMON, timeout=180, env=head_env)
     for worker in workers:
-        in_host(worker, str(RAY), "start", "--address", f"{head.address}:{RAY_PORT}",
-                "--node-ip-address", worker.address, "--resources", json.dumps(worker.resources),
-                *common, timeout=180)
+        start_worker(head, worker)
+
+
+def start_worker(head: Host, worker: Host) -> None:
+    in_host(worker, str(RAY), "start", "--address", f"{head.address}:{RAY_PORT}",
+            "--node-ip-address", worker.address, "--resources", json.dumps(worker.resources),
+            *_COMMON, timeout=180)
 
 
 def slow_link(host: Host, rate: str) -> None:

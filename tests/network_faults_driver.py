@@ -2,6 +2,8 @@
 hosts' Ray nodes (router on the head, drafts on the small-GPU-like node, the target on the
 large one), prints where each pool's replicas run, then for every phase name read from stdin
 sends the test's requests and prints what they got, one JSON line each; `stop` ends it.
+Phases that wait for something (the draft pool drafting again, Ray declaring a node dead)
+send the requests again until it happens or their time is up.
 
     ip netns exec ssfault-head python tests/network_faults_driver.py TARGET_DIR DRAFT_DIR
 """
@@ -28,6 +30,8 @@ PROMPTS = ["import os\n", "def main(argv):\n    ", "class Stack:\n    def push(s
 MAX_TOKENS = 32
 DRAFT_BUDGET_MS = 500.0
 SPECULATION_BACK_WITHIN_S = 60
+NODE_DEATH_WITHIN_S = 90       # with the test's health checks, Ray gives a silent node up in about 10 s
+REJOIN_WITHIN_S = 150          # a new node registers, Serve starts a draft replica there, it loads
 
 
 def config(target: str, draft: str) -> dict:
@@ -68,19 +72,31 @@ def one_request(prompt: str) -> dict:
             "fallback_rounds": speculation["fallback_rounds"]}
 
 
-RECOVERY_PHASES = ("restored", "healed")
+RECOVERY_PHASES = {"restored": SPECULATION_BACK_WITHIN_S, "healed": SPECULATION_BACK_WITHIN_S,
+                   "rejoined": REJOIN_WITHIN_S}
+
+
+def draft_node_alive() -> bool:
+    return any(node["Alive"] for node in ray.nodes() if "small_gpu" in node["Resources"])
 
 
 def phase(name: str) -> dict:
     """The prompts once; after the link is back, again until the draft pool drafts or the
-    time is up."""
+    time is up; in `dead`, again until Ray has declared the draft node dead."""
     started = time.monotonic()
     results = [one_request(prompt) for prompt in PROMPTS]
-    while (name in RECOVERY_PHASES and not any(r.get("pool_drafted") for r in results[-len(PROMPTS):])
-           and time.monotonic() < started + SPECULATION_BACK_WITHIN_S):
+
+    def go_on() -> bool:
+        if name == "dead":
+            return draft_node_alive() and time.monotonic() < started + NODE_DEATH_WITHIN_S
+        return (name in RECOVERY_PHASES and not any(r.get("pool_drafted") for r in results[-len(PROMPTS):])
+                and time.monotonic() < started + RECOVERY_PHASES[name])
+
+    while go_on():
         time.sleep(1)
         results += [one_request(prompt) for prompt in PROMPTS]
-    return {"phase": name, "seconds": round(time.monotonic() - started, 1), "results": results}
+    return {"phase": name, "seconds": round(time.monotonic() - started, 1), "results": results,
+            "draft_node_alive": draft_node_alive()}
 
 
 def main(target: str, draft: str) -> None:
