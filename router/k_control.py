@@ -355,20 +355,24 @@ class LevelClimb:
         self._recheck_in = self._recheck_period
 
     def _neighbours(self, arm: Arm, only: int | None = None) -> list[tuple[Arm, int]]:
-        """Challengers of arm: one step down and one up the ladder, the other overlap, the
-        other kind of a hybrid request's drafts, and the target alone (speculation must beat it, not only its neighbours); `only` keeps
-        one direction (a climb does not go back the way it came)."""
-        out = [(self._step(arm, d), d) for d in (-1, 1) if only in (None, d)]
+        """Challengers of arm: the other kind of a hybrid request's drafts, one step down and
+        one up the ladder, the other overlap, and the target alone (speculation must beat it,
+        not only its neighbours); `only` keeps one direction (a climb does not go back the way
+        it came)."""
         # The target alone is no kind of drafts: its other kind's nearest arm is the least k of it.
         lowest = min((a.k for a in self.arms if a.k), default=0)
-        for twin in (Arm(arm.k, not arm.overlap, arm.lookup), Arm(max(arm.k, lowest), False, not arm.lookup)):
-            if twin in self.arms and only in (None, 0):
-                out.append((twin, 0))
+        kind = [(Arm(max(arm.k, lowest), False, not arm.lookup), 0)] if only in (None, 0) else []
+        # A hybrid choice asks first which kind of drafts pays at this load: the two differ by
+        # far more than neighbouring k do (docs/BENCHMARKS.md), and a load's phase may be short.
+        out = kind + [(self._step(arm, d), d) for d in (-1, 1) if only in (None, d)]
+        twin = Arm(arm.k, not arm.overlap, arm.lookup)
+        if only in (None, 0):
+            out.append((twin, 0))
         if Arm(0) in self.arms and only in (None, -1) and self._alone_ratio >= 1 - 3 * MARGIN:
             out.append((Arm(0), _ALONE))
         seen, unique = set(self._tried), []
         for a, d in out:
-            if a is not None and a not in seen:
+            if a is not None and a in self.arms and a not in seen:
                 seen.add(a)
                 unique.append((a, d))
         return unique
