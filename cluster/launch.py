@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 from cluster.config import ClusterConfig, ConfigError, load_config
+from cluster.ports import holder
 
 
 def load_or_report(path: str) -> ClusterConfig | None:
@@ -27,6 +28,8 @@ def start(config: ClusterConfig) -> None:
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        _check_ports_free(config)
     print(f"joining the Ray cluster at {address}" if address else "starting Ray locally", flush=True)
     if not address:   # replicas report their queue depth to the autoscaler every 2 s, not 10
         os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "2")
@@ -36,6 +39,27 @@ def start(config: ClusterConfig) -> None:
     url = deploy(config)
     print(f"specserve is up: {url}/v1  (model id: {config.server.model_name}); Ctrl-C stops it",
           flush=True)
+
+
+# Ports a local start binds besides server.port: with server.ingress haproxy, Ray's HAProxy
+# serves its stats and Prometheus metrics on these (RAY_SERVE_HAPROXY_STATS_PORT and
+# RAY_SERVE_HAPROXY_METRICS_PORT, Ray 2.60's defaults).
+def _haproxy_ports() -> list[int]:
+    return [int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404")),
+            int(os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101"))]
+
+
+def _check_ports_free(config: ClusterConfig) -> None:
+    """A local start whose ports are taken would fail deep in Serve, after Ray started (a
+    HAProxy left by a cluster that was killed rather than stopped keeps them): say so now,
+    naming what holds them. Raises SystemExit."""
+    ports = [config.server.port] + (_haproxy_ports() if config.server.ingress == "haproxy" else [])
+    taken = {port: held for port in ports if (held := holder(port)) is not None}
+    if taken:
+        lines = [f"  port {port}: {holder}" for port, holder in taken.items()]
+        raise SystemExit("cannot start: these ports are taken\n" + "\n".join(lines) + "\n"
+                         "stop what holds them (a HAProxy left by an earlier cluster that was killed: kill its "
+                         "pid) or give specserve up another --port")
 
 
 def deploy(config: ClusterConfig) -> str:

@@ -241,3 +241,20 @@ def test_up_serves_the_target_alone_when_no_node_can_host_the_drafts(server, sto
         assert spec["rounds"] - 1 <= spec["fallback_rounds"] <= spec["rounds"] and spec["fallback_rounds"] > 0
     finally:
         terminate(srv.process)
+
+
+def test_up_on_a_taken_port_says_which_and_who_holds_it_before_starting_ray(tmp_path):
+    """A HAProxy left behind by a killed cluster keeps the ports: `specserve up` must say so
+    at once, not after Ray started and Serve failed deep inside."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = write_config(tmp_path, port)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        started = time.monotonic()
+        done = subprocess.run([str(SPECSERVE), "up", "--config", str(config), "--port", str(port)],
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"port {port}: " in done.stderr and f"(pid {os.getpid()})" in done.stderr, done.stderr
+    assert "starting Ray" not in done.stdout and time.monotonic() - started < 60
