@@ -256,7 +256,8 @@ class SpeculationConfig(Strict):
                                             "request can turn it on.")
     adaptive: bool = Field(True, description="Choose k per router and load level by the throughput its rounds "
                                              "measure, between min_k and max_k (router/k_control.py), unless a "
-                                             "request fixes k.")
+                                             "request fixes k; hybrid requests by a choice of their own, which "
+                                             "also says whether the draft pool takes part or lookup drafts alone.")
     adaptive_lookup: bool = Field(False, description="Lookup requests (ngram, suffix) that fix no k get it from "
                                                      "a measured choice of their own too, per method; off: "
                                                      "k. Off by default: in the bench's phases of 16-32 requests "
