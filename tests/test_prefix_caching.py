@@ -80,3 +80,11 @@ def test_retired_caches_are_evicted_before_running_ones():
     slots, _ = store.place(["new"], {})                            # no free slot: one must go
     store.commit("new", [2] * 8, slots["new"])
     assert "live-1" in store and "live-2" in store and "new" in store and store.retired == 0
+
+
+def test_the_storage_grows_no_further_than_the_slot_budget_as_finished_caches_fill_it(target):
+    runner = ModelRunner(target, max_cached_tokens=6 * 64, max_seq_len=64)      # 6 slots
+    for i in range(12):                       # each its own prompt: every finished cache is kept
+        runner.extend(f"s{i}", [i + 1] * 20, 1)
+        runner.retire(f"s{i}")
+    assert runner.caches.capacity == runner.storage.capacity == 6

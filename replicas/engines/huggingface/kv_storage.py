@@ -31,11 +31,14 @@ class SlotStorage:
         self.capacity = 0
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
 
-    def ensure_capacity(self, capacity: int) -> None:
-        """Grow every allocated layer to `capacity` slots (doubling, so growth is rare)."""
+    def ensure_capacity(self, capacity: int, budget: int | None = None) -> None:
+        """Grow every allocated layer to `capacity` slots (doubling, so growth is rare, but
+        not past the store's slot `budget` unless `capacity` itself is: with prefix caching
+        the store fills its budget, and doubling would allocate up to twice it)."""
         if capacity <= self.capacity:
             return
-        grown = max(capacity, 2 * self.capacity)
+        doubled = 2 * self.capacity if budget is None else min(2 * self.capacity, budget)
+        grown = max(capacity, doubled)
         for index, layer in enumerate(self.layers):
             if layer is not None:
                 self.layers[index] = tuple(_grow(tensor, grown + 1) for tensor in layer)

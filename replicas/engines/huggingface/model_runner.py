@@ -148,7 +148,7 @@ class ModelRunner:
                 continue
             move = self.caches.share_prefix(call.seq_id, call.tokens, len(call.tokens) - call.num_logits, batch)
             if move is not None:
-                self.storage.ensure_capacity(self.caches.capacity)
+                self.storage.ensure_capacity(self.caches.capacity, self.caches.max_slots)
                 self.storage.move([move])
 
     def cached(self, seq_id: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -168,7 +168,7 @@ class ModelRunner:
         reuse = {call.seq_id: self._reusable(call) for call in calls}   # again: an earlier group may have evicted
         slots, moves = self.caches.place([call.seq_id for call in calls], reuse)
         try:
-            self.storage.ensure_capacity(self.caches.capacity)
+            self.storage.ensure_capacity(self.caches.capacity, self.caches.max_slots)
             self.storage.move(moves)
         except BaseException:
             self.caches.clear()   # the index already points moved sequences at their new slots
