@@ -56,7 +56,7 @@ def _check_ports_free(config: ClusterConfig) -> None:
     ports = [config.server.port] + (_haproxy_ports() if config.server.ingress == "haproxy" else [])
     taken = {port: held for port in ports if (held := holder(port)) is not None}
     if taken:
-        lines = [f"  port {port}: {holder}" for port, holder in taken.items()]
+        lines = [f"  port {port}: {what}" for port, what in taken.items()]
         raise SystemExit("cannot start: these ports are taken\n" + "\n".join(lines) + "\n"
                          "stop what holds them (a HAProxy left by an earlier cluster that was killed: kill its "
                          "pid) or give specserve up another --port")
