@@ -2,8 +2,8 @@
 
 Which of the two runs a model faster is a property of the CPU, not of the dtype. On one CPU
 here bfloat16 ran the bundled target's forward at 1.0-2.1x float32's speed; on another (with
-AMX, 2026-12-03) float32 ran at 1.0-1.9x bfloat16's for 1 to 16 sequences, and a cluster
-configured for bfloat16 there served the target alone at 0.6x its float32 speed
+AMX, 2026-12-03) float32 ran at 1.0-1.9x bfloat16's for 1 to 16 sequences; on a third, a
+cluster in bfloat16 served the target alone at 0.6x its float32 speed at one client
 (docs/BENCHMARKS.md). So where `auto` may take either, the replica times both runners on the
 shapes its pool serves and keeps the faster; a GPU keeps the checkpoint's dtype.
 
