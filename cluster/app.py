@@ -61,7 +61,7 @@ def build_app(config: ClusterConfig) -> Application:
                                         health_check_period_s=VLLM_HEALTH_CHECK_PERIOD_S).bind(
             config.models.target, pools.target, config.limits.context_length, channel_key, draft,
             config.speculation.k, [lane_name(i) for i in range(lane_count(pools))], pools.draft.call_timeout_ms / 1000,
-            config.speculation.method)
+            config.speculation.method, config.speculation.suffix_cache_tokens)
     else:
         target = TargetPool.options(**_model_pool_options(pools.target)).bind(
             config.models.target, pools.target, config.limits.context_length, channel_key)

@@ -309,7 +309,7 @@ class SpeculationConfig(Strict):
 
 
 _LOOKUP_METHODS = ("ngram", "suffix")   # drafts made in the router, with no draft model
-_VLLM_METHODS = ("draft_model", "ngram")   # the vLLM target engine's: one per engine, its speculative_config
+_VLLM_METHODS = ("draft_model", "ngram", "suffix")   # the vLLM target engine's: one per engine, its speculative_config
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"
 
@@ -396,7 +396,7 @@ class ClusterConfig(Strict):
         if self.pools.target.engine == "vllm" and self.speculation.method not in _VLLM_METHODS:
             raise ValueError(f"speculation.method: {self.speculation.method} is not served with "
                              f"pools.target.engine: vllm, which drafts inside its engine: "
-                             f"{' or '.join(_VLLM_METHODS)} (vLLM's own prompt lookup)")
+                             f"{', '.join(_VLLM_METHODS)}")
         return self
 
     @property

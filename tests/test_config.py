@@ -119,7 +119,6 @@ def test_every_unknown_key_is_reported_at_once(models, tmp_path):
     ({"speculation": {"method": "suffix_tree"}}, "speculation.method"),
     ({"speculation": {"method": "ngram", "methods": ["draft_model"]}}, "speculation"),
     ({"pools": {"target": {"decode_steps": 0}}}, "pools.target.decode_steps"),
-    ({"pools": {"target": {"engine": "vllm"}}, "speculation": {"method": "suffix"}}, "(top level)"),
     ({"pools": {"target": {"engine": "vllm"}}, "speculation": {"method": "hybrid"}}, "(top level)"),
     ({"pools": {"target": {"resources": {"num_cpus": "lots"}}}}, "pools.target.resources.num_cpus"),
     ({"pools": {"draft": {"resources": {"custom": {"small_gpu": "one"}}}}},

