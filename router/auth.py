@@ -42,12 +42,16 @@ class ApiKeys:
 
     def check(self, authorization: str | None) -> None:
         """Raise a 401 OpenAIError unless `authorization` is 'Bearer <a known key>'."""
+        if not self.authorized(authorization):
+            raise unauthorized()
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Whether `authorization` is 'Bearer <a known key>' (or no key is required)."""
         if not self.required:
-            return
+            return True
         scheme, _, presented = (authorization or "").partition(" ")
         digest = _digest(presented.strip())
         matched = False
         for known in self._digests:   # no early exit: every key is compared
             matched |= hmac.compare_digest(digest, known)
-        if scheme.lower() != "bearer" or not matched:
-            raise unauthorized()
+        return scheme.lower() == "bearer" and matched

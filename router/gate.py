@@ -53,7 +53,7 @@ class RequestGate:
             self.running += 1
             return Slot(self)
         if len(self._waiting) >= self.max_queued:
-            self.refused += 1
+            self.refuse()
             raise GateFull
         turn = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
@@ -66,6 +66,10 @@ class RequestGate:
                 self._waiting.remove(turn)
             raise
         return Slot(self)
+
+    def refuse(self) -> None:
+        """Count a request refused for want of a slot, here or before it reached enter()."""
+        self.refused += 1
 
     def _free(self) -> None:
         while self._waiting:

@@ -45,11 +45,14 @@ from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, pa
 from router.responses import (CHAT, COMPLETION, ResponseFormat, chat_logprobs, completion_logprobs, envelope, sse,
                               usage)
 from router.routing import lane_count
+from router import shedding
+from router.shedding import Shedder, ShedWhenFull
 from router.speculation import (Delta, Generation, PoolTimeouts, SpeculationLoop, SpeculationStats,
                                 TargetTimeout, TargetUnavailable)
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve")
+app.add_middleware(ShedWhenFull)   # a full gate's 429 before FastAPI routes the request (router/shedding.py)
 # Tokenising and templating, off the event loop: prompts are bounded (router/admission.py),
 # so two threads keep one long prompt from holding up the others' admission.
 _TOKENIZER_THREADS = 2
@@ -167,10 +170,23 @@ class Router:
                                     lookup=LookupOptions(spec.k, spec.hybrid_min_ngram, spec.lookup_fallback),
                                     suffix_cache_tokens=spec.suffix_cache_tokens if "suffix" in spec.methods else 0)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._shed_count = self._shed_counted = 0
+        shedding.install(Shedder(lambda: self.gate.admits, self.keys.authorized, self._shed,
+                                 pools.router.retry_after_s))
         refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
 
+    def _shed(self) -> None:
+        """A request refused before the endpoint: counted in the metrics with the next gauge
+        refresh, not at once (a tagged counter's record is a fair share of a refusal's cost)."""
+        self.gate.refuse()
+        self._shed_count += 1      # on the event loop; read by the gauges' thread, which keeps its own count
+
     def _refresh_gauges(self) -> None:
+        shed = self._shed_count
+        if shed > self._shed_counted:
+            self.metrics.finished(429, "server_overloaded", count=shed - self._shed_counted)
+            self._shed_counted = shed
         self.metrics.gate(self.gate.running, self.gate.queued)
         self.metrics.adaptive(self.loop.control.describe(), "draft_model")
         for method, control in self.loop.lookup_controls.items():
@@ -219,7 +235,7 @@ class Router:
     async def describe(self) -> dict:
         """This replica's process and admission state (for tests and operators)."""
         return {"pid": os.getpid(), "running": self.gate.running, "queued": self.gate.queued,
-                "refused": self.gate.refused, "drafts_available": self.loop.drafts.available,
+                "refused": self.gate.refused, "shed": self._shed_count, "drafts_available": self.loop.drafts.available,
                 "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences(),
                 "adaptive": self.loop.control.describe(),
                 "adaptive_lookup": {method: control.describe() for method, control in self.loop.lookup_controls.items()},

@@ -86,11 +86,11 @@ class RouterMetrics:
         for _ in range(count):   # a round's tokens arrive together: each waited its share
             self.inter_token.observe(since_last_s / count)
 
-    def finished(self, status: int, error_type: str | None = None) -> None:
-        self.requests.inc(tags={"status": str(status)})
-        self.totals.request()
+    def finished(self, status: int, error_type: str | None = None, count: int = 1) -> None:
+        self.requests.inc(count, tags={"status": str(status)})
+        self.totals.request(count)
         if error_type is not None:
-            self.errors.inc(tags={"type": error_type})
+            self.errors.inc(count, tags={"type": error_type})
 
     def gate(self, running: int, queued: int) -> None:
         self.router_requests.set(running, tags={"state": "running"})

@@ -25,8 +25,8 @@ class Totals:
         self._recent.append((now, count))
         self._forget(now)
 
-    def request(self) -> None:
-        self.requests += 1
+    def request(self, count: int = 1) -> None:
+        self.requests += count
 
     def as_dict(self) -> dict:
         now = self.clock()

@@ -84,6 +84,8 @@ def test_past_capacity_the_excess_gets_429_and_the_admitted_complete_exactly(sma
         barrier.wait()    # all at once
         return one_client(small_router, index)
 
+    router = serve.get_deployment_handle("router", app_name="small-router")
+    before = router.describe.remote().result()
     with HealthWatch(small_router) as health, HealthWatch(small_router, "/ready") as ready, \
             ThreadPoolExecutor(CLIENTS) as pool:
         outcomes = list(pool.map(client, range(CLIENTS)))
@@ -91,6 +93,14 @@ def test_past_capacity_the_excess_gets_429_and_the_admitted_complete_exactly(sma
     admitted = [(i, o) for i, o in enumerate(outcomes) if o[0] == 200]
     refused = [o for o in outcomes if o[0] != 200]
     assert len(admitted) >= MAX_RUNNING + MAX_QUEUED and refused, [o[0] for o in outcomes]
+    # Each refusal counted once, whether the gate refused it at the first layer or at the
+    # endpoint; every request in the totals (the first layer's within a gauge refresh).
+    assert router.describe.remote().result()["refused"] - before["refused"] == len(refused)
+    deadline = time.monotonic() + 10
+    while router.describe.remote().result()["totals"]["requests"] - before["totals"]["requests"] < CLIENTS:
+        assert time.monotonic() < deadline, router.describe.remote().result()["totals"]
+        time.sleep(0.2)
+    assert router.describe.remote().result()["totals"]["requests"] - before["totals"]["requests"] == CLIENTS
     for status, body, _, headers, _ in refused:
         assert status == 429, body
         assert headers["retry-after"] == str(RETRY_AFTER_S)
@@ -105,3 +115,30 @@ def test_past_capacity_the_excess_gets_429_and_the_admitted_complete_exactly(sma
     assert set(statuses) == {200, 503} and statuses[-1] == 200, statuses
     assert ready.unavailable_body["error"]["code"] == "service_unavailable"
     assert max(latency for _, latency in ready.samples) < 1.0, ready.samples
+
+
+def test_requests_that_find_the_router_full_are_refused_before_its_endpoint(small_router):
+    """Once every slot and place in line is taken, a request gets its 429 from the app's first
+    layer (router/shedding.py), counted as refused, and in the totals within a gauge refresh."""
+    router = serve.get_deployment_handle("router", app_name="small-router")
+    before = router.describe.remote().result()
+    body = {"model": "specserve", "prompt": PROMPTS[0], "max_tokens": 256, "temperature": 0, "stream": True,
+            "speculation": {"enabled": False}}
+    with ThreadPoolExecutor(MAX_RUNNING + MAX_QUEUED) as pool:
+        holding = [pool.submit(httpx.post, f"{small_router}/v1/completions", json=body, timeout=120)
+                   for _ in range(MAX_RUNNING + MAX_QUEUED)]
+        deadline = time.monotonic() + 30
+        while (state := router.describe.remote().result())["queued"] < MAX_QUEUED:
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+        late = [httpx.post(f"{small_router}/v1/completions", json=body, timeout=30) for _ in range(3)]
+        for response in late:
+            assert response.status_code == 429 and response.headers["retry-after"] == str(RETRY_AFTER_S)
+            assert response.json()["error"]["code"] == "server_overloaded"
+        after = router.describe.remote().result()
+        assert after["shed"] - before["shed"] == 3 and after["refused"] - before["refused"] == 3
+        assert all(done.result().status_code == 200 for done in holding)
+    deadline = time.monotonic() + 10
+    while router.describe.remote().result()["totals"]["requests"] - before["totals"]["requests"] < 7:
+        assert time.monotonic() < deadline, router.describe.remote().result()["totals"]
+        time.sleep(0.2)
