@@ -80,7 +80,8 @@ def test_max_tokens_boundaries(apps, reference, max_tokens, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_stop_string_boundaries(apps, reference, stream):
-    """A stop string ends the text just before it, whichever round it falls in."""
+    """A stop string ends the text just before it, whichever round it falls in, whatever made
+    the round's drafts."""
     call = stream_complete if stream else complete
     prompt = PROMPTS[2]
     full_text = reference[prompt]["text"]
@@ -88,13 +89,15 @@ def test_stop_string_boundaries(apps, reference, stream):
         stop = full_text[start:start + 3]
         cut = full_text.index(stop)
         want_text = full_text[:cut]
-        for regime in ("copy", "perturbed", "unrelated"):
-            for k in (1, 4):
-                got = call(apps[regime], prompt, max_tokens=MAX_TOKENS, stop=[stop, "never-seen"],
-                           speculation={"k": k})["choices"][0]
-                assert got["text"] == want_text, (regime, k, stop)
-                assert got["finish_reason"] == "stop"
-                assert got["token_ids"] == reference[prompt]["token_ids"][:len(got["token_ids"])]
+        # the draft pool's drafts in three regimes, and the drafts made without it
+        cases = [(regime, {"k": k}) for regime in ("copy", "perturbed", "unrelated") for k in (1, 4)]
+        cases += [("perturbed", {"k": k, "method": method}) for method in ("ngram", "suffix", "hybrid") for k in (1, 8)]
+        for regime, speculation in cases:
+            got = call(apps[regime], prompt, max_tokens=MAX_TOKENS, stop=[stop, "never-seen"],
+                       speculation=speculation)["choices"][0]
+            assert got["text"] == want_text, (regime, speculation, stop)
+            assert got["finish_reason"] == "stop"
+            assert got["token_ids"] == reference[prompt]["token_ids"][:len(got["token_ids"])]
 
 
 # Penalties and biases change the target's distribution at every position of a window, drafts
