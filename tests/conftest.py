@@ -121,6 +121,11 @@ def ray_serve():
     # time; metrics are exported every second for the same reason.
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+    # HAProxy's stats and metrics on ports of its own (the local Ray's processes inherit this
+    # environment): a HAProxy left by another cluster on the defaults (8404, 9101) cannot fail it.
+    for variable in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        os.environ.setdefault(variable, str(free_port()))
+    kill_orphaned_haproxy()
     ray.init(address="local", num_cpus=2, logging_level="WARNING", log_to_driver=False,
              _metrics_export_port=METRICS_PORT)
     port = free_port()
