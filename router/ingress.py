@@ -45,8 +45,7 @@ from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, pa
 from router.responses import (CHAT, COMPLETION, ResponseFormat, chat_logprobs, completion_logprobs, envelope, sse,
                               usage)
 from router.routing import lane_count
-from router import shedding
-from router.shedding import Shedder, ShedWhenFull
+from router.shedding import Shedder, ShedWhenFull, install as install_shedder
 from router.speculation import (Delta, Generation, PoolTimeouts, SpeculationLoop, SpeculationStats,
                                 TargetTimeout, TargetUnavailable)
 
@@ -171,7 +170,7 @@ class Router:
                                     suffix_cache_tokens=spec.suffix_cache_tokens if "suffix" in spec.methods else 0)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._shed_count = self._shed_counted = 0
-        shedding.install(Shedder(lambda: self.gate.admits, self.keys.authorized, self._shed,
+        install_shedder(Shedder(lambda: self.gate.admits, self.keys.authorized, self._shed,
                                  pools.router.retry_after_s))
         refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
