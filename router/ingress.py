@@ -171,7 +171,7 @@ class Router:
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._shed_count = self._shed_counted = 0
         install_shedder(Shedder(lambda: self.gate.admits, self.keys.authorized, self._shed,
-                                 pools.router.retry_after_s))
+                                pools.router.retry_after_s))
         refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
 
