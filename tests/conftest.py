@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ torch.set_num_threads(1)
 
 from cluster.config import ClusterConfig, ModelSpec, parse_config  # noqa: E402
 from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from training.tiny_models import UNTRAINED_NOTE, perturbed_copy, save, tiny_llama, train_tokenizer  # noqa: E402
 
 # Draft regimes for the exactness tests and the acceptance they give with the tiny target.
@@ -66,12 +66,6 @@ def cluster_config(target: Path, draft: Path | None, **sections) -> ClusterConfi
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value}
     return parse_config(data, base=Path.cwd())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 METRICS_PORT = free_port()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,16 +25,11 @@ from ray.cluster_utils import Cluster
 
 from cluster.app import build_app, controller_options
 from cluster.config import ServerConfig, parse_config
+from tests.ports import free_port
 
 SPECSERVE = Path(sys.executable).parent / "specserve"
 SHARD = {"num_cpus": 0.1, "custom": {"large_gpu": 1}}
 DRAFT = {"num_cpus": 0.1, "custom": {"small_gpu": 1}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config_data(target: str, draft: str, target_replicas: int = 1, tp_size: int = 2) -> dict:

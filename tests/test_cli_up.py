@@ -18,16 +18,14 @@ import httpx
 import pytest
 import yaml
 
+from tests.ports import free_port
+
 SPECSERVE = Path(sys.executable).parent / "specserve"
 STARTUP_TIMEOUT_S = 180
 SHUTDOWN_TIMEOUT_S = 60
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# What Serve's proxy and its HAProxy say when the port was taken before they bound it.
+PORT_TAKEN = ("Failed to bind to address", "Address already in use")
 
 
 @dataclass
@@ -122,15 +120,15 @@ def terminate(process: subprocess.Popen) -> None:
 
 def start_up(tmp_path_factory, **config_fields) -> Server:
     """`specserve up` on a fresh config, as a subprocess in a session of its own. A free port
-    can be taken by one of the new Ray's own processes before Serve binds it: then again,
-    with another port."""
+    can still be taken before Serve's proxy or HAProxy binds it: then again, with another
+    port."""
     for attempt in range(3):
         srv = _start_once(tmp_path_factory, **config_fields)
         if srv.read_until("specserve is up", STARTUP_TIMEOUT_S) is not None:
             return srv
         terminate(srv.process)
         srv.drain()
-        if "Failed to bind to address" not in srv.output():
+        if not any(refusal in srv.output() for refusal in PORT_TAKEN):
             break
     pytest.fail(f"`specserve up` was not up within {STARTUP_TIMEOUT_S} s "
                 f"(exit code {srv.process.poll()}); its output so far:\n{srv.output()}")
