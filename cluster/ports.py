@@ -1,11 +1,40 @@
-"""Whether a TCP port on this machine is free, and which process holds it where it is not."""
+"""TCP ports on this machine: whether one is free and which process holds it where it is not,
+and a free one for a server about to start."""
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
 _LISTEN = "0A"      # the state column of /proc/net/tcp for a listening socket
+# Below the kernel's ephemeral range and above Ray's default worker ports (10002-19999): no
+# starting process binds a port here unasked.
+_UNCLAIMED_FROM = 20000
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a server about to start beside a starting Ray or
+    vLLM. Not port 0's answer: the kernel hands that out of its ephemeral range, from which
+    every new Ray worker, raylet and agent (and vLLM's engine) also take ports, so one of them
+    could bind it first (a test's HAProxy failed so: 'Address already in use')."""
+    candidates = list(range(_UNCLAIMED_FROM, max(_UNCLAIMED_FROM + 1000, _ephemeral_start())))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between {_UNCLAIMED_FROM} and {_ephemeral_start()}")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def holder(port: int) -> str | None:

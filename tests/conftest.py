@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 from cluster.config import ClusterConfig, ModelSpec, parse_config  # noqa: E402
 from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer  # noqa: E402
-from tests.ports import free_port  # noqa: E402
+from cluster.ports import free_port  # noqa: E402
 from training.tiny_models import UNTRAINED_NOTE, perturbed_copy, save, tiny_llama, train_tokenizer  # noqa: E402
 
 # Draft regimes for the exactness tests and the acceptance they give with the tiny target.

@@ -25,7 +25,7 @@ from ray.cluster_utils import Cluster
 
 from cluster.app import build_app, controller_options
 from cluster.config import ServerConfig, parse_config
-from tests.ports import free_port
+from cluster.ports import free_port
 
 SPECSERVE = Path(sys.executable).parent / "specserve"
 SHARD = {"num_cpus": 0.1, "custom": {"large_gpu": 1}}

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.ports import free_port
+from cluster.ports import free_port
 
 SPECSERVE = Path(sys.executable).parent / "specserve"
 STARTUP_TIMEOUT_S = 180

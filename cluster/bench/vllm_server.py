@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,17 +24,12 @@ from typing import Iterator
 import httpx
 
 from cluster.bench.vllm_compare import vllm_environment
+from cluster.ports import free_port
 
 SERVED_NAME = "specserve-pair"
 _READY_TIMEOUT_S = 600
 _STOP_TIMEOUT_S = 30
 KV_CACHE_GIB = "2"            # VLLM_CPU_KVCACHE_SPACE: ample for 512-position sequences of the tiny pair
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(python: str, target: Path, draft: Path | None, k: int, port: int, max_model_len: int) -> list[str]:
@@ -87,7 +81,7 @@ def vllm_servers(python: str, target: Path, draft: Path, k: int, max_model_len: 
     urls: dict[str, str] = {}
     try:
         for mode, with_draft in (("vllm_serve", draft), ("vllm_serve_alone", None)):
-            port = _free_port()
+            port = free_port()
             log = log_folder / f"{mode}.log"
             process = subprocess.Popen(server_command(python, target, with_draft, k, port, max_model_len),
                                        stdout=log.open("w"), stderr=subprocess.STDOUT, env=_environment(),
