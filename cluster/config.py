@@ -47,10 +47,16 @@ class ModelSpec(Strict):
                            "one process), compiled for each shape class at replica start and cached on disk by "
                            "inductor; it falls back to eager with a warning where compiling fails or cannot apply "
                            "(a tensor-parallel target).")
+    fused_cpu: Literal["auto", "off"] = Field(
+        "auto", description="'auto': a float32 Llama on a CPU (the Hugging Face engine, one process) runs its "
+                            "forward as one C call a step, built for the CPU at replica start with the system's C "
+                            "compiler (cc; about a second, cached in compile_cache_dir or the temp folder) and "
+                            "batch-invariant; eager where no compiler is found, with a warning, and wherever it "
+                            "does not apply (bfloat16, a GPU, a tensor-parallel shard, compile: on). 'off': eager.")
     compile_cache_dir: Path | None = Field(
-        None, strict=False, description="Folder of inductor's on-disk cache of compiled code (relative to "
-                                        "cluster.yaml), kept across restarts; default inductor's own "
-                                        "(/tmp/torchinductor_$USER).")
+        None, strict=False, description="Folder of inductor's on-disk cache of compiled code and of the fused "
+                                        "CPU forward's library (relative to cluster.yaml), kept across restarts; "
+                                        "default inductor's own (/tmp/torchinductor_$USER) and the temp folder.")
     placeholder: Literal["target", "draft"] | None = Field(
         None, description="If the folder is missing, build an UNTRAINED random placeholder model of "
                           "this role there (for a first start before real weights exist).")

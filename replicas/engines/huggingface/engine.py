@@ -67,6 +67,7 @@ class _Engine:
         shards = getattr(self.runner, "shards", None)
         return {"engine": "huggingface", "tp_size": len(shards) if shards else 1,
                 "compile_s": getattr(self.runner, "compile_s", None), "dtype": _dtype_name(self.runner),
+                "fused_cpu": getattr(self.runner, "fused", False),
                 "dtype_scores_ms": getattr(self.runner, "dtype_scores_ms", None),
                 "shards": [vars(s) for s in shards] if shards else None,
                 "cached_sequences": len(caches) - caches.retired, "retired_sequences": caches.retired,

@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from replicas.engines.huggingface.fused_cpu import FusedCpuForward, load_library
 from replicas.engines.huggingface.kv_cache import KVCacheStore, common_prefix_length
 from replicas.engines.huggingface.kv_storage import BatchWindow, SlotStorage, layout_rows
 from replicas.engines.huggingface.llama_forward import LlamaForward
@@ -56,13 +58,16 @@ class Extension:
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
-                 lean: bool = True, compiled: bool = False, prefix_caching: bool = True):
+                 lean: bool = True, compiled: bool = False, prefix_caching: bool = True,
+                 fused_cpu: bool = False, fused_cache_dir: Path | None = None):
         """lean: run a plain Llama decoder through LlamaForward (the same arithmetic with far
         less Python per call); other models, or lean=False, run through their own modules.
         prefix_caching: a new sequence takes the longest prefix of its tokens that any cached
         sequence holds, and a finished one (`retire`) stays cached to give it (kv_cache.py).
         compiled: LlamaForward's layers compiled (llama_forward.py), each shape class compiled
-        here, before the first call; where that fails, eager with a warning."""
+        here, before the first call; where that fails, eager with a warning.
+        fused_cpu: a float32 plain Llama on a CPU runs as one C call a step (fused_cpu.py; its
+        library built into fused_cache_dir), eager where that does not apply or cannot be built."""
         _check_plain_output_layer(model.config)
         self.model = model
         self.decoder = LlamaForward(model) if lean and LlamaForward.supports(model) else self._module_decoder
@@ -76,6 +81,15 @@ class ModelRunner:
         self.prefix_caching = prefix_caching
         if compiled:
             self._compile()
+        elif fused_cpu and self.lean:
+            self._fuse(fused_cache_dir)
+
+    def _fuse(self, cache_dir: Path | None) -> None:
+        if not FusedCpuForward.supports(self.model):
+            return
+        library = load_library(cache_dir)
+        if library is not None:
+            self.decoder = FusedCpuForward(self.model, library, self.max_seq_len)
 
     def _compile(self) -> None:
         if not self.lean:
@@ -205,7 +219,7 @@ class ModelRunner:
             wanted_rows += [r] * call.num_logits
             wanted_columns += range(new[r] - call.num_logits, new[r])
         picked = hidden[torch.tensor(wanted_rows, device=self.device), torch.tensor(wanted_columns, device=self.device)]
-        logits = self.model.get_output_embeddings()(picked).float()                  # [sum num_logits, V]
+        logits = self._output_layer(picked).float()                                  # [sum num_logits, V]
         batch_positions = sum(len(call.tokens) - reuse[call.seq_id] for call in calls)
         per_call = logits.split([call.num_logits for call in calls])
         return [Extension(rows_logits, positions_fed=len(call.tokens) - reuse[call.seq_id], batch_rows=len(calls),
@@ -218,9 +232,18 @@ class ModelRunner:
         return self.model.get_decoder()(input_ids=input_ids, position_ids=positions, attention_mask=mask,
                                         cache=window, use_cache=True).last_hidden_state
 
+    def _output_layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = getattr(self.decoder, "logits", None)    # the fused forward's own, row by row
+        return logits(hidden) if logits is not None else self.model.get_output_embeddings()(hidden)
+
     @property
     def lean(self) -> bool:
-        return isinstance(self.decoder, LlamaForward)
+        """A plain Llama decoder run by this project's forward (eager, compiled or fused)."""
+        return isinstance(self.decoder, (LlamaForward, FusedCpuForward))
+
+    @property
+    def fused(self) -> bool:
+        return isinstance(self.decoder, FusedCpuForward)
 
 
 def _check_plain_output_layer(config) -> None:
