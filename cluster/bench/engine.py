@@ -97,14 +97,18 @@ def plain_forward_ms(model, sequences: int, positions: int, context: int, repeat
 
 @torch.inference_mode()
 def engine_ms(model, sequences: int, positions: int, context: int, repeats: int, device,
-              compiled: bool = False) -> float:
+              compiled: bool = False, fused: bool = False) -> float:
     """The engine's extend_batch of the same shapes: `positions` recomputed per sequence over
     its cached context (the call keeps the cache, so every run has the same shape); compiled:
-    with the compiled layers (compiled once per process, so only the first call pays)."""
+    with the compiled layers (compiled once per process, so only the first call pays); fused:
+    the fused CPU forward (models.*.fused_cpu: auto)."""
     from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 
     length = context + positions
-    runner = ModelRunner(model, max_cached_tokens=sequences * length, max_seq_len=length, compiled=compiled)
+    runner = ModelRunner(model, max_cached_tokens=sequences * length, max_seq_len=length, compiled=compiled,
+                         fused_cpu=fused)
+    if fused and not runner.fused:
+        raise SystemExit("the fused CPU forward does not apply to this model or device (float32 Llama on a CPU)")
     vocab = model.config.vocab_size
     calls = [ExtendCall(f"s{b}", torch.randint(1, vocab, (context + positions,)).tolist(), positions)
              for b in range(sequences)]
@@ -122,7 +126,7 @@ def weight_bytes(model) -> int:
 
 
 def measure(model, device: torch.device, sequences: list[int], positions: list[int], context: int,
-            repeats: int, compiled: bool = False) -> dict:
+            repeats: int, compiled: bool = False, fused: bool = False) -> dict:
     bandwidth = copy_bandwidth(device)
     floor_ms = weight_bytes(model) / bandwidth * 1000
     rows = []
@@ -135,6 +139,9 @@ def measure(model, device: torch.device, sequences: list[int], positions: list[i
             if compiled:
                 row["compiled_ms"] = engine_ms(model, count, new, context, repeats, device, compiled=True)
                 row["eager_over_compiled"] = round(engine / row["compiled_ms"], 3)
+            if fused:
+                row["fused_ms"] = engine_ms(model, count, new, context, repeats, device, fused=True)
+                row["eager_over_fused"] = round(engine / row["fused_ms"], 3)
             rows.append(row)
     return {"device": str(device), "dtype": str(next(model.parameters()).dtype),
             "weight_bytes": weight_bytes(model), "copy_bandwidth_bytes_s": round(bandwidth),
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its layers compiled (models.*.compile: on)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also time the fused CPU forward (models.*.fused_cpu: auto; float32 on a CPU)")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_llama:
@@ -164,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         from replicas.engines.huggingface.loading import load_causal_lm
 
         model = load_causal_lm(ModelSpec(path=args.model.resolve(), dtype=args.dtype), device=device)
-    report = measure(model, device, args.sequences, args.positions, args.context, args.repeats, args.compile)
+    report = measure(model, device, args.sequences, args.positions, args.context, args.repeats, args.compile,
+                     args.fused)
     report["model"] = args.random_llama or str(args.model)
     print(json.dumps(report, indent=2))
     return 0
