@@ -75,8 +75,11 @@ def test_what_it_does_not_support_runs_eager():
                                                num_hidden_layers=1, num_attention_heads=4)).eval()   # head_dim 12
     biased = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                           num_attention_heads=4, attention_bias=True)).eval()
+    dynamic_rope = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})).eval()
     bfloat16 = load_causal_lm(ModelSpec(path="models/draft", dtype="bfloat16"))
-    for model in (small_heads, biased, bfloat16):
+    for model in (small_heads, biased, dynamic_rope, bfloat16):
         assert not FusedCpuForward.supports(model)
         runner = ModelRunner(model, 1 << 12, 64, fused_cpu=True)
         assert runner.lean and not runner.fused

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from replicas.engines.huggingface.kv_cache import SCRATCH_SLOT
 from replicas.engines.huggingface.kv_storage import BatchWindow
 from replicas.engines.huggingface.llama_forward import LlamaForward
 
@@ -39,6 +40,7 @@ _SOURCE = Path(__file__).with_name("fused_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 _PANEL = 64     # output columns a packed weight panel holds (fused_cpu.c's PANEL)
 _LANES = 16     # floats a vector holds (fused_cpu.c's LANES)
+assert SCRATCH_SLOT == 0, "fused_cpu.c skips the tokens written to slot 0, the scratch slot"
 
 
 class _Model(ctypes.Structure):
@@ -92,14 +94,17 @@ class FusedCpuForward:
     @staticmethod
     def supports(model: nn.Module) -> bool:
         """A plain Llama (LlamaForward's check) in float32 on a CPU, without linear biases or
-        hooks (a tensor-parallel shard all-reduces in hooks), head_dim a multiple of 16."""
+        hooks (a tensor-parallel shard all-reduces in hooks), head_dim a multiple of 16, and
+        RoPE whose angles depend on the position alone (a table; not the dynamic kinds)."""
         if not LlamaForward.supports(model):
             return False
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         linears = [m for m in model.get_decoder().modules() if isinstance(m, nn.Linear)]
         linears.append(model.get_output_embeddings())
+        rope_type = getattr(model.get_decoder().rotary_emb, "rope_type", "default")
         return (model.dtype == torch.float32 and model.device.type == "cpu" and head_dim % _LANES == 0
+                and "dynamic" not in rope_type and rope_type != "longrope"
                 and config.num_attention_heads % config.num_key_value_heads == 0
                 and all(isinstance(m, nn.Linear) and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks for m in linears))
 
