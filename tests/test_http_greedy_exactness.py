@@ -54,6 +54,16 @@ def test_speculative_greedy_equals_target_only(apps, reference, regime, k, strea
         assert got["speculation"]["drafted_tokens"] > 0
 
 
+def test_the_test_clusters_run_the_fused_cpu_forward(apps):
+    """What every exactness test here runs through: float32 on a CPU, the default
+    models.*.fused_cpu (replicas/engines/huggingface/fused_cpu.py)."""
+    from ray import serve
+
+    for deployment in ("target", "draft"):
+        state = serve.get_deployment_handle(deployment, app_name="spec-copy").describe.remote().result()
+        assert state["fused_cpu"] is True and state["dtype"] == "float32", state
+
+
 def test_acceptance_reflects_the_draft(apps):
     rates = {}
     for regime in ("copy", "unrelated", "perturbed"):
