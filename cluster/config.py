@@ -42,17 +42,15 @@ class ModelSpec(Strict):
         "checked batch-invariant at start (exact speculation), in float32 elsewhere, with a warning.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' takes a GPU when the replica was given one, else the CPU.")
-    compile: Literal["off", "on"] = Field(
-        "off", description="'on' runs each layer's arithmetic torch.compile'd (inductor; the Hugging Face engine in "
-                           "one process), compiled for each shape class at replica start and cached on disk by "
-                           "inductor; it falls back to eager with a warning where compiling fails or cannot apply "
-                           "(a tensor-parallel target).")
-    fused_cpu: Literal["auto", "off"] = Field(
-        "auto", description="'auto': a float32 Llama on a CPU (the Hugging Face engine, one process) runs its "
-                            "forward as one C call a step, built for the CPU at replica start with the system's C "
-                            "compiler (cc; about a second, cached in compile_cache_dir or the temp folder) and "
-                            "batch-invariant; eager where no compiler is found, with a warning, and wherever it "
-                            "does not apply (bfloat16, a GPU, a tensor-parallel shard, compile: on). 'off': eager.")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="How the forward pass is compiled at replica start (the Hugging Face engine in one "
+                            "process). 'auto': the form measured fastest for the device: on a CPU a float32 Llama "
+                            "runs each forward pass as one C call, built for the CPU with the system's C compiler "
+                            "(cc or $CC; about a second, cached in compile_cache_dir or the temp folder) and "
+                            "batch-invariant; anything else (bfloat16, a GPU, a tensor-parallel shard) eager. 'on': "
+                            "each layer's arithmetic torch.compile'd (inductor), compiled for each shape class at "
+                            "replica start and cached on disk by inductor. 'off': eager. Each falls back to eager "
+                            "with a warning where compiling fails or no compiler is found.")
     compile_cache_dir: Path | None = Field(
         None, strict=False, description="Folder of inductor's on-disk cache of compiled code and of the fused "
                                         "CPU forward's library (relative to cluster.yaml), kept across restarts; "

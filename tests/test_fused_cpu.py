@@ -3,7 +3,8 @@ modules' logits within float32 rounding and the same greedy choices, on the bund
 grouped-query attention, over ragged batches of prefills, single steps and verifies; bitwise
 batch-invariant (a sequence's logits are the same in any batch and however its positions were
 split into calls, which is what makes a verify agree with the target alone's single steps);
-eager wherever it does not apply or no C compiler is found; on by default through the config.
+eager wherever it does not apply or no C compiler is found; what `models.*.compile: auto`, the
+default, runs on a CPU.
 Every HTTP exactness test also runs it, since the test clusters run float32 on a CPU."""
 
 from __future__ import annotations
@@ -108,11 +109,11 @@ def test_the_default_config_serves_the_bundled_pair_fused(tmp_path):
     config = load_config("cluster.yaml")
     for role in ("target", "draft"):
         spec = getattr(config.models, role).model_copy(update={"dtype": "float32"})
-        assert spec.fused_cpu == "auto"
+        assert spec.compile == "auto"
         pool = getattr(config.pools, role)
         engine = build(role, spec, pool, 128)
         assert engine.describe()["fused_cpu"] is True
-        off = build(role, spec.model_copy(update={"fused_cpu": "off"}), pool, 128)
+        off = build(role, spec.model_copy(update={"compile": "off"}), pool, 128)
         assert off.describe()["fused_cpu"] is False
         calls = [ExtendCall("a", list(range(1, 40)), 3)]
         assert torch.equal(engine.runner.extend_batch(calls)[0].logits.argmax(-1),

@@ -56,7 +56,7 @@ def test_speculative_greedy_equals_target_only(apps, reference, regime, k, strea
 
 def test_the_test_clusters_run_the_fused_cpu_forward(apps):
     """What every exactness test here runs through: float32 on a CPU, the default
-    models.*.fused_cpu (replicas/engines/huggingface/fused_cpu.py)."""
+    models.*.compile: auto, the fused CPU forward (replicas/engines/huggingface/fused_cpu.py)."""
     from ray import serve
 
     for deployment in ("target", "draft"):

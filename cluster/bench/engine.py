@@ -101,7 +101,7 @@ def engine_ms(model, sequences: int, positions: int, context: int, repeats: int,
     """The engine's extend_batch of the same shapes: `positions` recomputed per sequence over
     its cached context (the call keeps the cache, so every run has the same shape); compiled:
     with the compiled layers (compiled once per process, so only the first call pays); fused:
-    the fused CPU forward (models.*.fused_cpu: auto)."""
+    the fused CPU forward (models.*.compile: auto on a CPU)."""
     from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 
     length = context + positions
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help="also time the engine with its layers compiled (models.*.compile: on)")
     parser.add_argument("--fused", action="store_true",
-                        help="also time the fused CPU forward (models.*.fused_cpu: auto; float32 on a CPU)")
+                        help="also time the fused CPU forward (models.*.compile: auto; float32 on a CPU)")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_llama:

@@ -75,7 +75,7 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
         from replicas.engines.huggingface.model_runner import ModelRunner
 
         return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len, compiled=spec.compile == "on",
-                           prefix_caching=pool.kv_cache.prefix_caching, fused_cpu=spec.fused_cpu == "auto",
+                           prefix_caching=pool.kv_cache.prefix_caching, fused_cpu=spec.compile == "auto",
                            fused_cache_dir=spec.compile_cache_dir)
     from replicas.engines.huggingface.shard_group import launch_in_placement_group
 

@@ -2,7 +2,7 @@
 
 Why: on this project's CPUs the eager lean forward (llama_forward.py) of the bundled target
 spends 2.4-2.8 ms a one-token step, of which its linears are about 0.9 ms: the rest is some
-300 small ATen operators. torch.compile's code measured no faster here (docs/BENCHMARKS.md).
+1,500 small ATen calls (a torch profile). torch.compile's code measured no faster here (docs/BENCHMARKS.md).
 fused_cpu.c runs a step as a few loops a layer and reads each weight once whatever the
 number of tokens; its sums run in an order fixed by the model's shapes alone, so it is
 batch-invariant (a verify gives bitwise the target alone's logits), which the eager float32
