@@ -224,12 +224,14 @@ struct model {
 enum { INPUT_NORM, QKV, O, POST_NORM, GATE_UP, DOWN, WEIGHTS_PER_LAYER };
 
 /* hidden [T, H] in place: the decoder's output, final norm applied. keys/values: per layer a
- * [slots, KVH, max_len, D] tensor. work: (QKV + 2 NH D + 2 I + H + max_len) T floats. */
-void llama_forward(const struct model *m, int T, float *hidden, const int64_t *slot, const int64_t *pos,
+ * [slots, KVH, max_len, D] tensor. work: (QKV + NH D + 2 I + 2 H) T + max_len + LANES floats.
+ * Returns 0, or -1 where memory for the token index ran out (nothing computed). */
+int llama_forward(const struct model *m, int T, float *hidden, const int64_t *slot, const int64_t *pos,
                    float *const *keys, float *const *values, float *work) {
     const int H = m->H, I = m->I, D = m->D, NH = m->NH, KVH = m->KVH;
     const int QKV_N = (NH + 2 * KVH) * D, groups = NH / KVH;
     int *real = malloc(sizeof(int) * (T > 0 ? T : 1));
+    if (real == NULL) return -1;
     int R = 0;
     for (int t = 0; t < T; t++) {
         if (slot[t] != 0) real[R++] = t;
@@ -279,6 +281,7 @@ void llama_forward(const struct model *m, int T, float *hidden, const int64_t *s
     }
     for (int r = 0; r < R; r++) rms_norm(H, x + (int64_t)r * H, m->final_norm, m->eps, hidden + (int64_t)real[r] * H);
     free(real);
+    return 0;
 }
 
 /* y[T, N] = x[T, K] W, W packed as the layers' weights are: the output layer's logits. */

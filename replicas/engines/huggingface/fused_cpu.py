@@ -120,8 +120,9 @@ class FusedCpuForward:
         keys = (ctypes.c_void_p * len(caches))(*[k.data_ptr() for k, _ in caches])
         values = (ctypes.c_void_p * len(caches))(*[v.data_ptr() for _, v in caches])
         work = torch.empty(tokens * self.work_per_token + self.max_seq_len + _LANES, dtype=torch.float32)
-        self.library.llama_forward(ctypes.byref(self.model), tokens, hidden.data_ptr(), slot.data_ptr(),
-                                   position.data_ptr(), keys, values, work.data_ptr())
+        if self.library.llama_forward(ctypes.byref(self.model), tokens, hidden.data_ptr(), slot.data_ptr(),
+                                      position.data_ptr(), keys, values, work.data_ptr()) != 0:
+            raise MemoryError(f"the fused forward could not allocate its index of {tokens} tokens")
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,7 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
             return None
         partial.replace(target)           # atomic: replicas starting together share the file
     library = ctypes.CDLL(str(target))
-    library.llama_forward.restype = None
+    library.llama_forward.restype = ctypes.c_int
     library.llama_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
