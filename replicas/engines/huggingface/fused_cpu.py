@@ -106,7 +106,8 @@ class FusedCpuForward:
         return (model.dtype == torch.float32 and model.device.type == "cpu" and head_dim % _LANES == 0
                 and "dynamic" not in rope_type and rope_type != "longrope"
                 and config.num_attention_heads % config.num_key_value_heads == 0
-                and all(isinstance(m, nn.Linear) and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks for m in linears))
+                and all(isinstance(m, nn.Linear) and m.bias is None and not m._forward_hooks
+                        and not m._forward_pre_hooks for m in linears))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                  window: BatchWindow) -> torch.Tensor:
