@@ -71,15 +71,16 @@ def exact_joint(target, params: SamplingParams, prompt: list[int] = PROMPT) -> t
 
 def speculative_pairs(target, draft, params: SamplingParams, seed: int,
                       samples: int = SAMPLES, verifier: TargetEngine | None = None,
-                      k_of=lambda round_index, i: K, seeded: bool = False, steps: int = 1) -> torch.Tensor:
+                      k_of=lambda round_index, i: K, seeded: bool = False, steps: int = 1,
+                      drafts: DraftEngine | None = None) -> torch.Tensor:
     """Counts [V, V] of the first two tokens of `samples` speculative generations, run BATCH
     at a time through the batched engines (rows diverge in length after the first round, so
     the padded batch layout is part of what is tested). `verifier` defaults to the target
-    in this process; sequence i drafts k_of(round, i) tokens in a round (0: the target alone).
+    in this process (`drafts` the draft's likewise); sequence i drafts k_of(round, i) tokens in a round (0: the target alone).
     `seeded`: each sequence sampled by Gumbel-max with public noise of its own seed
     (replicas/gumbel.py), as a request with a seed is. `steps`: each verify call runs that many
     forward passes (VerifyRequest.steps), its further tokens the target alone's."""
-    drafts = DraftEngine.on_model(draft, max_cached_tokens=1000)
+    drafts = drafts or DraftEngine.on_model(draft, max_cached_tokens=1000)
     verifier = verifier or TargetEngine.on_model(target, max_cached_tokens=1000)
     counts = torch.zeros(VOCAB, VOCAB)
     for first in range(0, samples, BATCH):
@@ -116,6 +117,19 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
     target, draft = pair
     params = (SETTINGS | MORE_SETTINGS)[setting]
     counts = speculative_pairs(target, draft, params, seed=1)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_speculative_sampling_on_the_fused_cpu_forward_matches_target_distribution(pair, setting):
+    """Both engines on the fused forward (`compile: auto` on a CPU, fused_cpu.py); the
+    reference is transformers' modules' exact joint."""
+    target, draft = pair
+    params = SETTINGS[setting]
+    verifier = TargetEngine.on_model(target, max_cached_tokens=1000, fused_cpu=True)
+    drafts = DraftEngine.on_model(draft, max_cached_tokens=1000, fused_cpu=True)
+    assert verifier.runner.fused and drafts.runner.fused
+    counts = speculative_pairs(target, draft, params, seed=7, verifier=verifier, drafts=drafts)
     assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
 
 

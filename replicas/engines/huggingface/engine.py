@@ -54,9 +54,9 @@ class _Engine:
 
     @classmethod
     def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
-                 compiled: bool = False):
+                 compiled: bool = False, fused_cpu: bool = False):
         """The engine over one in-process model (tests, offline measurement)."""
-        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled))
+        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu))
 
     def release(self, seq_id: str) -> None:
         """The sequence has finished (the router says so)."""
