@@ -99,7 +99,7 @@ class FusedCpuForward:
         if not LlamaForward.supports(model):
             return False
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = model.get_decoder().layers[0].self_attn.head_dim     # what the constructor reads
         linears = [m for m in model.get_decoder().modules() if isinstance(m, nn.Linear)]
         linears.append(model.get_output_embeddings())
         rope_type = getattr(model.get_decoder().rotary_emb, "rope_type", "default")
