@@ -16,8 +16,8 @@
  * slot[t] and attends to positions 0..pos[t] of that slot; slot 0 is scratch (padding and
  * holes): such tokens are skipped and their hidden states set to zero.
  *
- * Weights are packed by fused_cpu.py into panels of 64 output columns, [N / 64][K][64]
- * (zero-padded), so the matmul streams each weight once per step, 64 columns at a time. */
+ * Weights are packed by fused_cpu.py into panels of PANEL output columns, [N / PANEL][K][PANEL]
+ * (zero-padded), so the matmul streams each weight once per step, a panel at a time. */
 
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +25,20 @@
 #include <string.h>
 
 #define LANES 16
-#define PANEL 64
+/* A matmul block accumulates TOKEN_BLOCK tokens x one panel row in registers while it streams
+ * the panel's rows (k). 32 512-bit registers hold 4 tokens x 64 columns and the weights;
+ * AVX2's 16 256-bit ones (a 16-lane vector is two of them) hold 4 tokens x 16 columns, and a
+ * block that does not fit spills on every row (with 64 columns measured 2-3x slower per token
+ * on an AVX2 CPU, docs/BENCHMARKS.md). fused_cpu.py packs the weights in panels of the
+ * width this build reports (fused_panel_columns). Each output sums its products in k order
+ * either way. */
+#ifndef PANEL
+#  ifdef __AVX512F__
+#    define PANEL 64
+#  else
+#    define PANEL 16
+#  endif
+#endif
 #define TOKEN_BLOCK 4
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
@@ -283,6 +296,9 @@ int llama_forward(const struct model *m, int T, float *hidden, const int64_t *sl
     free(real);
     return 0;
 }
+
+/* The output columns a packed weight panel holds in this build. */
+int fused_panel_columns(void) { return PANEL; }
 
 /* y[T, N] = x[T, K] W, W packed as the layers' weights are: the output layer's logits. */
 void project(int T, int K, int N, const float *x, const float *packed, float *y) {

@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("fused_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
-_PANEL = 64     # output columns a packed weight panel holds (fused_cpu.c's PANEL)
 _LANES = 16     # floats a vector holds (fused_cpu.c's LANES)
 assert SCRATCH_SLOT == 0, "fused_cpu.c skips the tokens written to slot 0, the scratch slot"
 
@@ -141,13 +140,15 @@ class FusedCpuForward:
 
     def _packed(self, *linears: nn.Linear) -> int:
         """The linears' weights side by side ([K, N], N their outputs together), packed in
-        panels of _PANEL columns, [N / _PANEL][K][_PANEL], the last zero-padded."""
+        panels of the library's panel width P (fused_cpu.c's PANEL: 64 columns on AVX-512, 16
+        elsewhere), [N / P][K][P], the last zero-padded."""
         weight = torch.cat([linear.weight.detach() for linear in linears]).t()           # [K, N]
         inputs, outputs = weight.shape
-        panels = -(-outputs // _PANEL)
-        padded = weight.new_zeros((inputs, panels * _PANEL))
+        width = self.library.fused_panel_columns()
+        panels = -(-outputs // width)
+        padded = weight.new_zeros((inputs, panels * width))
         padded[:, :outputs] = weight
-        return self._tensor(padded.reshape(inputs, panels, _PANEL).transpose(0, 1))
+        return self._tensor(padded.reshape(inputs, panels, width).transpose(0, 1))
 
 
 def load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
@@ -175,6 +176,8 @@ def load_library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
     library.llama_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    library.fused_panel_columns.restype = ctypes.c_int
+    library.fused_panel_columns.argtypes = []
     library.project.restype = None
     library.project.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                 ctypes.c_void_p]
