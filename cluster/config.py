@@ -218,9 +218,11 @@ class TargetPoolConfig(_ModelPoolConfig):
     batching: TargetBatchingConfig = Field(default_factory=TargetBatchingConfig)
     resources: Resources = Field(default_factory=Resources, description="Resources per shard.")
     decode_steps: int = Field(
-        4, ge=1, le=64, description="Single-token steps one target call runs for a round without drafts (the "
-                                    "target alone, k = 0, or drafts that failed): fewer hops per token; such "
-                                    "tokens stream in groups of up to this many. 1: a call per token.")
+        4, ge=1, le=64, description="Forward passes one verify call may run: the window's, then single-token "
+                                    "steps on every row (the target alone's next tokens), fewer hops per "
+                                    "token; the goodput controller chooses how many per round, up to this "
+                                    "(router/k_control.py); tokens stream in groups of up to k + this many. 1: "
+                                    "one pass a call.")
     call_timeout_s: float = Field(
         60.0, gt=0, description="A verify call unanswered after this, retries on other (or replaced) "
                                 "replicas included, fails its requests (504): there is no output "
@@ -258,21 +260,17 @@ class PoolsConfig(Strict):
 class SpeculationConfig(Strict):
     enabled: bool = Field(True, description="Speculate unless a request turns it off; when false, no "
                                             "request can turn it on.")
-    adaptive: bool = Field(True, description="Choose k per router and load level by the throughput its rounds "
-                                             "measure, between min_k and max_k (router/k_control.py), unless a "
-                                             "request fixes k; hybrid requests by a choice of their own, which "
-                                             "also says whether the draft pool takes part or lookup drafts alone.")
-    adaptive_lookup: bool = Field(False, description="Lookup requests (ngram, suffix) that fix no k get it from "
-                                                     "a measured choice of their own too, per method; off: "
-                                                     "k. Off by default: in the bench's phases of 16-32 requests "
-                                                     "its climbs had not settled and ran 0.8-0.9x k = 4 at 8 and "
-                                                     "16 clients (docs/BENCHMARKS.md).")
-    min_k: int = Field(0, ge=0, description="Smallest k the adaptive choice may make (0: it may turn "
-                                            "speculation off for a round).")
+    adaptive: bool = Field(True, description="Choose every round's drafts by goodput (router/k_control.py): "
+                                             "for each round of each sequence, its source and k (0: the target "
+                                             "alone), and the target steps per verify call, to maximise the "
+                                             "tokens per second of the router's whole batch, from each call's "
+                                             "measured cost and each sequence's measured keep chances; for "
+                                             "every method, unless a request fixes k. Off: k fixed at `k`.")
+    min_k: int = Field(0, ge=0, description="Smallest k the adaptive choice may make where drafts are "
+                                            "offered (0: it may verify none in a round).")
     max_k: int = Field(8, ge=1, description="Largest k a request may ask for or the adaptive choice make.")
-    k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off; with adaptive on, one of "
-                                        "the k tried, and where the first load level starts until the "
-                                        "replicas' cost profiles are known.")
+    k: int = Field(4, ge=1, description="Draft tokens per round when adaptive is off (and hybrid's lookup "
+                                        "drafts per round where a request fixes none).")
     method: Literal["draft_model", "ngram", "suffix", "hybrid"] = Field(
         "draft_model", description="Where drafts come from unless a request picks: the draft pool's model; "
                                    "`ngram`, prompt lookup in the router (the continuation of the latest earlier "
@@ -297,10 +295,10 @@ class SpeculationConfig(Strict):
                                                     "target alone.")
     overlap: Literal[False, True, "auto"] = Field(
         False, description="While a window is verified, draft the next one from the guess that the whole window "
-                            "is kept (router/lookahead.py). 'auto': on or off is chosen with k, by the throughput "
-                            "each router measures (router/k_control.py); it pays while the draft pool would "
-                            "idle during verifies (docs/BENCHMARKS.md). A request may fix it, unless it is false "
-                            "here.")
+                            "is kept (router/lookahead.py); such rounds run one target step. 'auto': on where the "
+                            "controller expects the draft call it saves to outweigh 2 % of the round "
+                            "(router/k_control.py; it does not price the lookahead's own draft work, which slows "
+                            "a verify that shares its cores). A request may fix it, unless it is false here.")
 
     _min_within_max = _at_most("min_k", "max_k")
     _k_within_max = _at_most("k", "max_k")

@@ -79,9 +79,9 @@ def deploy(config: ClusterConfig) -> str:
     # Not blocking: the app serves once the router and the target pool run; the draft pool is
     # optional (requests fall back to the target alone), so it must not hold up the start.
     serve._run(build_app(config), name=APP_NAME, route_prefix="/", _blocking=False)
-    _wait_until_serving(APP_NAME)
+    draft_placeable = _wait_until_serving(APP_NAME)
     url = f"http://{_reachable_host(config.server.host)}:{config.server.port}"
-    _wait_for_health(url)
+    _wait_until_ready(url, {"draft"} if draft_placeable and config.models.draft is not None else set())
     return url
 
 
@@ -100,9 +100,10 @@ def _check_placement(config: ClusterConfig) -> None:
                              f"(pools.{shortfall.pool}.resources in the config, or the cluster's nodes)")
 
 
-def _wait_until_serving(app_name: str) -> None:
+def _wait_until_serving(app_name: str) -> bool:
     """Print each deployment's state whenever it changes, until the router and the target
-    pool have a running replica each; say so when the draft pool has none by then."""
+    pool have a running replica each; say so when the draft pool has none by then. Whether
+    the draft pool may still come (it has replicas, or a placement that may yet run them)."""
     from ray import serve
 
     last = None
@@ -124,22 +125,35 @@ def _wait_until_serving(app_name: str) -> None:
     if draft is not None and draft.replica_states.get("RUNNING", 0) == 0:
         print(f"  the draft pool is not running yet ({draft.message or draft.status.value}); requests are "
               f"served by the target alone until it is", flush=True)
+        return False
+    return draft is not None
 
 
 def _reachable_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def _wait_for_health(url: str, timeout_s: float = 60.0) -> None:
+def _wait_until_ready(url: str, optional: set[str], timeout_s: float = 120.0) -> None:
+    """Until the router's /ready says the target pool answers (router/readiness.py), and the
+    pools in `optional` too, within timeout_s for those (after it, up without them)."""
+    import json
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
+            with urllib.request.urlopen(f"{url}/ready", timeout=5) as response:
+                pools = json.loads(response.read()).get("pools", {})
+                waiting = sorted(pool for pool in optional if not pools.get(pool))
+                if not waiting:
                     return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{url}/health did not answer within {timeout_s:.0f} s")
+        except OSError:        # 503 (the target pool still loading, HTTPError is an OSError) or no answer yet
+            waiting = None
+        if time.monotonic() > deadline:
+            if waiting:
+                print(f"  the {', '.join(waiting)} pool does not answer yet; requests are served without it until "
+                      f"it does", flush=True)
+                return
+            raise SystemExit(f"{url}/ready did not answer 200 within {timeout_s:.0f} s")
         time.sleep(0.5)
 
 

@@ -103,21 +103,28 @@ def _traffic_line(routers: list[dict]) -> str:
     drafted, accepted = sum(t.get("drafted", 0) for t in totals), sum(t.get("accepted", 0) for t in totals)
     rate = sum(t.get("tokens_per_s_last_minute", 0.0) for t in totals)
     requests = sum(t.get("requests", 0) for t in totals)
-    ks = ", ".join(str(state.get("adaptive", {}).get("k", "?")) for state in routers)
+    plans = [state.get("adaptive", {}).get("plan") or {} for state in routers]
+    ks = ", ".join(str(plan.get("mean_k", "-")) for plan in plans)
     acceptance = f"{accepted / drafted:.3f}" if drafted else "-"
     return (f"  traffic  {requests} requests, {rate:.1f} tokens/s over the last minute, acceptance "
-            f"{acceptance}, adaptive k {ks or '-'}")
+            f"{acceptance}, mean k planned {ks or '-'}")
 
 
 def _adaptive_lines(routers: list[dict]) -> list[str]:
-    """Per router and load level: the choice, and the throughput measured for each arm tried."""
+    """Per router: the goodput controller's plan, its k by method over recent rounds, and how
+    well its cost model predicts."""
     lines = []
     for i, state in enumerate(routers):
         adaptive = state.get("adaptive", {})
-        lines.append(f"  adaptive router {i + 1}: load {adaptive.get('load')} (level {adaptive.get('level')}), "
-                     f"k {adaptive.get('k')}{' overlap' if adaptive.get('overlap') else ''} now")
-        for level, climb in adaptive.get("levels", {}).items():
-            measured = ", ".join(f"{arm} {rate:.0f}" for arm, rate in climb["tokens_per_s"].items()) or "-"
-            state_word = "settled" if climb["settled"] else f"trying {climb['running']}"
-            lines.append(f"    {level:>5} in flight: {climb['choice']} ({state_word}); tokens/s {measured}")
+        plan = adaptive.get("plan") or {}
+        rounds = adaptive.get("round_ms", {})
+        costs = adaptive.get("costs", {})
+        lines.append(f"  adaptive router {i + 1}: {adaptive.get('in_flight', 0)} in flight: {plan.get('steps', '-')} "
+                     f"steps a call, draft call {'yes' if plan.get('draft_call') else 'no'}, predicted "
+                     f"{plan.get('tokens_per_s', '-')} tokens/s; round ms predicted {rounds.get('predicted')} "
+                     f"measured {rounds.get('measured')}; model error {costs.get('round_mean_abs_log_error')}")
+        for method, counts in adaptive.get("k_by_method", {}).items():
+            total = sum(counts.values()) or 1
+            shares = ", ".join(f"k={k} {count / total:.0%}" for k, count in counts.items())
+            lines.append(f"    k of its {method or '-'} rounds: {shares}")
     return lines

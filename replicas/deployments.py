@@ -48,8 +48,8 @@ class _ModelReplica:
         logger.info("loading %s model from %s (%s, %s, tp_size %d)", self.role, spec.path, spec.dtype,
                     spec.device, pool.tp_size)
         self.engine = build_engine(self.role, spec, pool, max_seq_len)
-        self.cost_profile = self.engine.cost_profile()   # also warms the engine up
-        logger.info("%s forward ms by positions: %s", self.role, self.cost_profile)
+        self.startup_passes = self.engine.startup_passes()   # also warms the engine up
+        logger.info("%s start-up passes (rows, positions, attention, ms): %s", self.role, self.startup_passes)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
         self.metrics = PoolMetrics()
         batching = pool.batching
@@ -123,7 +123,7 @@ class _ModelReplica:
                 "missed_windows": batcher.missed_windows, "waited_ms": round(batcher.waited_s * 1000, 1),
                 "isolation_reruns": batcher.isolation_reruns, "active_sequences": batcher.active_sequences,
                 "lookahead_calls": self.lookahead_calls,
-                "cost_profile_ms": self.cost_profile,
+                "startup_passes": self.startup_passes,
                 **self.engine.describe(),
                 "holds": self.engine.holds(seq_id) if seq_id is not None else None}
 

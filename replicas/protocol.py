@@ -10,6 +10,20 @@ import torch
 from replicas.sampling import SamplingParams
 
 
+# One forward pass of a batched call: (rows, new positions over all rows, attention work: the
+# sum over rows of new positions x context length in thousands, ms). router/cost_model.py
+# fits a pool's pass time to these.
+PassRecord = tuple[int, int, float, float]
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """The passes of one batched engine call, the same object in every row's answer (the
+    router counts a batch once, by its id)."""
+    batch_id: str
+    passes: tuple[PassRecord, ...]
+
+
 @dataclass(frozen=True)
 class ProposeRequest:
     seq_id: str
@@ -32,6 +46,7 @@ class Proposal:
     model_ms: float                   # wall time of the replica's batched propose
     steps: int = 0                    # draft forward passes that batched propose ran
     replica_ms: float = 0.0           # from the call's arrival at the replica to its answer
+    batch: BatchCost | None = None  # the batched call's passes, for the router's cost model
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,7 @@ class Verification:
     replica_ms: float = 0.0    # from the call's arrival at the replica to its answer
     logprobs: tuple[TokenLogprobs, ...] | None = None          # one per token, when asked
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None   # one per token of tokens[1:], when asked
+    batch: BatchCost | None = None   # the batched call's passes, for the router's cost model
 
 
 @dataclass(frozen=True)

@@ -172,9 +172,9 @@ class Admission:
                               f"which drafts by {spec.method} alone.", "speculation.method")
         if not (spec.enabled and wanted):
             return {"k": 0, "adaptive": False, "overlap": False}
-        if method in ("ngram", "suffix"):   # free drafts, nothing to draft ahead; k fixed or lookup's own choice
-            return {"k": fixed or spec.k, "adaptive": spec.adaptive and spec.adaptive_lookup and fixed is None,
-                    "overlap": False, "method": method}
+        if method in ("ngram", "suffix"):   # free drafts: nothing to draft ahead
+            return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": False,
+                    "method": method}
         asked = options.overlap if options is not None else None
         overlap = spec.overlap if asked is None or spec.overlap is False else asked
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap, "method": method}

@@ -60,3 +60,9 @@ def deadline_exceeded(timeout_s: float) -> OpenAIError:
 
 def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="server_error", code="service_unavailable")
+
+
+def loading(pool: str, retry_after_s: int) -> OpenAIError:
+    """A pool this request needs has no replica answering yet (its model is loading)."""
+    return OpenAIError(503, f"The {pool} pool is still loading its model; retry after {retry_after_s} s.",
+                       type="server_error", code="service_unavailable", headers={"Retry-After": str(retry_after_s)})

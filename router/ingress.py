@@ -34,20 +34,21 @@ from replicas.protocol import RowError, TokenLogprobs
 from router.admission import Admission
 from router.auth import ApiKeys
 from router.choices import ChoiceOutput, best_of, interleaved, prompt_tokens
-from router.errors import (OpenAIError, deadline_exceeded, overloaded, payload_too_large, server_error,
+from router.errors import (OpenAIError, deadline_exceeded, loading, overloaded, payload_too_large, server_error,
                            unavailable, unsupported_media_type)
 from router.gate import GateFull, RequestGate, Slot
-from router.k_control import KController
+from router.k_control import GoodputController
 from replicas.metrics import GAUGE_REFRESH_S, refresh_every
 from router.lookup import LookupOptions
 from router.metrics import RouterMetrics
+from router.readiness import FIRST_ANSWER_WAIT_S
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import (CHAT, COMPLETION, ResponseFormat, chat_logprobs, completion_logprobs, envelope, sse,
                               usage)
 from router.routing import lane_count
 from router.shedding import Shedder, ShedWhenFull, install as install_shedder
-from router.speculation import (Delta, Generation, PoolTimeouts, SpeculationLoop, SpeculationStats,
-                                TargetTimeout, TargetUnavailable)
+from router.pool_client import PoolTimeouts, TargetTimeout, TargetUnavailable
+from router.speculation import Delta, Generation, SpeculationLoop, SpeculationStats
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve")
@@ -161,11 +162,10 @@ class Router:
         self.metrics = RouterMetrics()
         self.loop = SpeculationLoop(draft, target, tokenizer, eos_token_ids,
                                     PoolTimeouts(pools.draft.call_timeout_ms / 1000, pools.target.call_timeout_s),
-                                    KController(spec.min_k, spec.max_k, spec.k, spec.overlap),
+                                    GoodputController(spec.max_k, spec.min_k, pools.target.decode_steps),
                                     lane_count(pools), pools.router.gather_wait_ms / 1000, self.metrics,
                                     channel_key if pools.router.direct_calls else None,
                                     engine_rounds=pools.target.engine == "vllm",
-                                    decode_steps=pools.target.decode_steps,
                                     lookup=LookupOptions(spec.k, spec.hybrid_min_ngram, spec.lookup_fallback),
                                     suffix_cache_tokens=spec.suffix_cache_tokens if "suffix" in spec.methods else 0)
         self._tokenizer_threads = ThreadPoolExecutor(_TOKENIZER_THREADS, thread_name_prefix="tokenize")
@@ -173,6 +173,11 @@ class Router:
         install_shedder(Shedder(lambda: self.gate.admits, self.keys.authorized, self._shed,
                                 pools.router.retry_after_s))
         refresh_every(GAUGE_REFRESH_S, self._refresh_gauges)
+        try:       # probing the pools from the start, where the constructor runs on the replica's loop
+            asyncio.get_running_loop()
+            self.loop.readiness.watch()
+        except RuntimeError:
+            pass   # else from the first request or probe
         logger.info("router ready; API keys %s", "required" if self.keys.required else "not required")
 
     def _shed(self) -> None:
@@ -187,23 +192,28 @@ class Router:
             self.metrics.finished(429, "server_overloaded", count=shed - self._shed_counted)
             self._shed_counted = shed
         self.metrics.gate(self.gate.running, self.gate.queued)
-        self.metrics.adaptive(self.loop.control.describe(), "draft_model")
-        for method, control in self.loop.lookup_controls.items():
-            self.metrics.adaptive(control.describe(), method)
+        self.metrics.adaptive(self.loop.control.describe())
 
     @app.get("/health")
     async def health(self) -> dict:
         """Liveness: answers whenever the process does, however full its line is (a load
         balancer or probe that restarted a busy router would end every stream it holds)."""
+        self.loop.readiness.watch()
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready(self) -> dict:
         """Readiness: 200 while this replica admits requests, 503 while a request would be
-        refused, so that a balancer in front of the routers takes a full one out of rotation."""
+        refused (the target pool still loading, or every slot taken), so that a balancer in
+        front of the routers takes such a one out of rotation. `pools`: which pools answer
+        (the draft pool is optional: without it requests are served, by the target alone)."""
+        readiness = self.loop.readiness
+        if not await readiness.wait("target", FIRST_ANSWER_WAIT_S):
+            raise loading("target", self.config.pools.router.retry_after_s)
         if not self.gate.admits:
             raise unavailable("This router is at capacity: every slot and place in line is taken.")
-        return {"status": "ready", "running": self.gate.running, "queued": self.gate.queued}
+        return {"status": "ready", "running": self.gate.running, "queued": self.gate.queued,
+                "pools": dict(readiness.ready)}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
@@ -237,7 +247,6 @@ class Router:
                 "refused": self.gate.refused, "shed": self._shed_count, "drafts_available": self.loop.drafts.available,
                 "draft_outages": self.loop.drafts.outages, "sequences": self.loop.active_sequences(),
                 "adaptive": self.loop.control.describe(),
-                "adaptive_lookup": {method: control.describe() for method, control in self.loop.lookup_controls.items()},
                 "suffix_cache": self.loop.outputs.describe() if self.loop.outputs is not None else None,
                 "totals": self.metrics.totals.as_dict(),
                 "call_paths": dict(self.loop.call_paths),
@@ -250,6 +259,7 @@ class Router:
         self.keys.check(request.headers.get("authorization"))
         _require_json(request.headers.get("content-type"))
         _check_declared_size(request, limits.max_body_bytes)
+        await self._require_target()
         slot = await self._enter(deadline)    # before the body is read: a refusal costs nothing
         streaming = False
         try:
@@ -264,6 +274,12 @@ class Router:
         finally:
             if not streaming:
                 slot.release()
+
+    async def _require_target(self) -> None:
+        """A request that would wait for a loading target pool is refused within a probe's
+        time (router/readiness.py)."""
+        if not await self.loop.readiness.wait("target", FIRST_ANSWER_WAIT_S):
+            raise loading("target", self.config.pools.router.retry_after_s)
 
     async def _enter(self, deadline: float) -> Slot:
         self.metrics.gate(self.gate.running, self.gate.queued)

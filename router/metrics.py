@@ -9,10 +9,11 @@ speculative | lookup | target_only | fallback}, drafted_tokens_total, accepted_t
 generated_tokens_total, cache_rebuilds_total{pool}, tokens_per_round, k (the k each round
 asked for), verify_batch_size and draft_batch_size (sequences in the forward pass that
 served a round), ttft_seconds, inter_token_seconds, router_requests{state: running |
-queued}, adaptive_k{level, drafts} (the k the measured choice keeps at each load level, and
-for level "current" the k adaptive rounds use now; drafts: draft_model for the draft pool's
-requests, ngram or suffix for those lookup requests'), adaptive_goodput_tokens_per_s{level, arm, drafts} (the
-throughput measured for each arm tried at each level, router/k_control.py).
+queued}, and the goodput controller's view (router/k_control.py): adaptive_k_share{method, k}
+(the share of the method's recent rounds that chose k), adaptive_goodput_tokens_per_s (the
+current plan's predicted tokens per second of the batch), adaptive_steps (its steps per verify
+call), adaptive_round_ms{kind: predicted | measured} and adaptive_model_error{model:
+target_pass | draft_pass | round} (mean |log(measured / predicted)|).
 """
 
 from __future__ import annotations
@@ -49,26 +50,31 @@ class RouterMetrics:
         self.inter_token = Histogram("specserve_inter_token_seconds", "Time between generated tokens", _SECONDS)
         self.router_requests = Gauge("specserve_router_requests", "Generation requests at this router "
                                      "replica", tag_keys=("state",))
-        self.adaptive_k = Gauge("specserve_adaptive_k", "The k this router's adaptive rounds keep at a load "
-                                "level (level 'current': the k they use now)", tag_keys=("level", "drafts"))
-        self.adaptive_goodput = Gauge("specserve_adaptive_goodput_tokens_per_s", "Tokens per second this router "
-                                      "measured across its sequences for an arm (k, overlap) at a load level",
-                                      tag_keys=("level", "arm", "drafts"))
+        self.adaptive_k_share = Gauge("specserve_adaptive_k_share", "Share of a method's recent rounds that chose "
+                                      "k (the goodput controller's choice)", tag_keys=("method", "k"))
+        self.adaptive_goodput = Gauge("specserve_adaptive_goodput_tokens_per_s", "Tokens per second of the batch "
+                                      "the controller's current plan predicts")
+        self.adaptive_steps = Gauge("specserve_adaptive_steps", "Forward passes per verify call in the current plan")
+        self.adaptive_round_ms = Gauge("specserve_adaptive_round_ms", "A round's time, as the controller predicts "
+                                       "it and as measured (averages)", tag_keys=("kind",))
+        self.adaptive_error = Gauge("specserve_adaptive_model_error", "Mean |log(measured / predicted)| of the "
+                                    "controller's cost models", tag_keys=("model",))
         self.totals = Totals()
 
-    def round(self, k: int, drafts: int, verification, proposal, fallback: bool, rebuilt: dict[str, bool],
-              lookup: bool = False) -> None:
-        """lookup: the round's drafts came from prompt lookup (router/lookup.py)."""
-        kind = "fallback" if fallback else ("lookup" if lookup else "speculative") if drafts else "target_only"
+    def round(self, outcome, rebuilt: dict[str, bool]) -> None:
+        """A round's outcome (router/speculation.py RoundOutcome)."""
+        drafts, verdict = len(outcome.drafts), outcome.verdict
+        kind = "fallback" if outcome.fallback else (
+            ("speculative" if outcome.source == "pool" else "lookup") if drafts else "target_only")
         self.rounds.inc(tags={"kind": kind})
-        self.k.observe(k)
+        self.k.observe(outcome.k)
         _add(self.drafted, drafts)
-        _add(self.accepted, verification.accepted)
-        self.totals.round(drafts, verification.accepted)
-        self.tokens_per_round.observe(len(verification.tokens))
-        self.verify_batch.observe(verification.batch_rows)
-        if proposal is not None:
-            self.draft_batch.observe(proposal.batch_rows)
+        _add(self.accepted, verdict.accepted)
+        self.totals.round(drafts, verdict.accepted)
+        self.tokens_per_round.observe(len(verdict.tokens))
+        self.verify_batch.observe(verdict.batch_rows)
+        if outcome.proposal is not None:
+            self.draft_batch.observe(outcome.proposal.batch_rows)
         for pool, happened in rebuilt.items():
             if happened:
                 self.rebuilds.inc(tags={"pool": pool})
@@ -96,14 +102,27 @@ class RouterMetrics:
         self.router_requests.set(running, tags={"state": "running"})
         self.router_requests.set(queued, tags={"state": "queued"})
 
-    def adaptive(self, state: dict, drafts: str) -> None:
-        """A measured choice's state, as KController.describe() gives it; `drafts`: the
-        method whose k it chooses."""
-        self.adaptive_k.set(state["k"], tags={"level": "current", "drafts": drafts})
-        for level, climb in state["levels"].items():
-            self.adaptive_k.set(climb["k"], tags={"level": level, "drafts": drafts})
-            for arm, tokens_per_s in climb["tokens_per_s"].items():
-                self.adaptive_goodput.set(tokens_per_s, tags={"level": level, "arm": arm, "drafts": drafts})
+    def adaptive(self, state: dict) -> None:
+        """The goodput controller's state, as GoodputController.describe() gives it."""
+        for method, counts in state["k_by_method"].items():
+            total = sum(counts.values())
+            for k, count in counts.items():
+                self.adaptive_k_share.set(count / total, tags={"method": method or "unknown", "k": str(k)})
+        plan = state["plan"]
+        if plan is not None:
+            self.adaptive_goodput.set(plan["tokens_per_s"])
+            self.adaptive_steps.set(plan["steps"])
+        rounds = state["round_ms"]
+        for kind in ("predicted", "measured"):
+            if rounds[kind] is not None:
+                self.adaptive_round_ms.set(rounds[kind], tags={"kind": kind})
+        costs = state["costs"]
+        errors = {"target_pass": costs["target_pass"]["mean_abs_log_error"],
+                  "draft_pass": costs["draft_pass"]["mean_abs_log_error"],
+                  "round": costs["round_mean_abs_log_error"]}
+        for model, error in errors.items():
+            if error is not None:
+                self.adaptive_error.set(error, tags={"model": model})
 
 
 def _add(counter: Counter, amount: int) -> None:

@@ -1,68 +1,47 @@
-"""The per-request speculation loop: draft -> verify -> emit, one round at a time.
+"""The per-request speculation loop: offer -> choose -> draft -> verify -> emit, one round at
+a time.
 
-A round asks the draft pool for k tokens and the target pool to verify them; it yields
-between 1 and k + 1 tokens. With speculation off a round is one plain target step (k = 0),
-which is the target-only baseline every comparison uses: same code, same caches.
+A round's parts: the request's draft source makes its offer (router/draft_sources.py), the
+goodput controller chooses the source, k and the verify call's steps (router/k_control.py),
+drafts come from lookup or the draft pool, the target pool verifies them
+(router/pool_client.py carries the calls), and the round's outcome is recorded once: in the
+request's stats, the controller and the metrics. A round yields between 1 and k + steps
+tokens. With speculation off a round verifies no drafts (k = 0), which is the target-only
+baseline every comparison uses: same code, same caches.
 
-Failures: the draft pool is optional (a round whose drafts fail or come late verifies with
-k = 0, router/fallback.py), the target pool is not. A verify call whose replica died is
-retried on another replica; one that is not answered within the pool's timeout fails its
-sequences with TargetTimeout; a RowError (this sequence's row failed on the replica) fails
-this sequence alone.
+Failures: the draft pool is optional (a round whose drafts fail or come late verifies
+lookup drafts or none, router/fallback.py), the target pool is not (router/pool_client.py).
+A RowError (this sequence's row failed on the replica) fails this sequence alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import hashlib
-import itertools
 import logging
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import ReplicaUnavailableError
-
-from replicas.direct_channel import ChannelBroken
 from replicas.protocol import (EngineStep, GenerateRequest, Proposal, ProposeRequest, RowError, TokenLogprobs,
                                Verification, VerifyRequest)
 from replicas.sampling import SamplingParams
+from router.draft_sources import DraftSources, fixed_source
 from router.fallback import DraftAvailability
-from router.direct_routes import DirectRoutes
 from router.gathering import CallGatherer
-from router.goodput import CostProfile
-from router.k_control import Arm, KController
+from router.k_control import POOL, Choice, GoodputController, Offer
 from router.lookahead import Drafts, lookahead_size, usable_drafts
-from router.lookup import LookupOptions, lookup_drafts, lookup_match
-from router.suffix import OutputCache, suffix_drafts
+from router.lookup import LookupOptions
+from router.pool_client import PoolClient, PoolTimeouts
+from router.readiness import PoolReadiness
 from router.routing import lane_of
+from router.suffix import OutputCache
 from router.text import IncrementalDetokenizer, StopStringFilter
 
 logger = logging.getLogger("ray.serve")
-# A call whose replica died is retried until Serve has noticed and routes elsewhere, or has
-# replaced the replica (seconds; a tensor-parallel replica restarts all its shards).
-_RETRY_BACKOFF_S = 0.1
-_LONGEST_RETRY_PAUSE_S = 2.0
-_METHODS = {"draft": "propose", "target": "verify"}
-
-
-class TargetTimeout(Exception):
-    """A verify call was not answered within the target pool's call timeout."""
-
-
-class TargetUnavailable(Exception):
-    """Every attempt of a verify call found its replica dead."""
-
-
-@dataclass(frozen=True)
-class PoolTimeouts:
-    draft_s: float             # the draft budget: later drafts are not waited for
-    target_s: float
+_KINDS = {POOL: "draft_model", "ngram": "ngram", "suffix": "suffix"}   # a draft source's name in stats
 
 
 @dataclass(frozen=True)
@@ -95,6 +74,33 @@ class Generation:
 
 
 @dataclass
+class RoundOutcome:
+    """What one round did, recorded once (SpeculationStats.record, the controller, metrics)."""
+    source: str | None          # where its verified drafts came from: POOL, "ngram", "suffix"; None: none
+    context: int                # the sequence's tokens before the round
+    k: int                      # drafts it asked for
+    drafts: list[int]           # drafts it verified
+    match: int                  # the lookup match its drafts came from (0: pool drafts or none)
+    verdict: Verification
+    proposal: Proposal | None   # the draft pool's answer, where this round called it
+    ahead: Drafts | None        # drafts of an earlier lookahead this round used instead
+    fallback: bool              # it wanted the pool's drafts and went on without them
+    round_ms: float             # wall time at the router
+    verify_call_ms: float       # the verify call's wall time at the router
+    draft_call_ms: float = 0.0
+    predicted_ms: float | None = None   # the controller's round time for it
+
+    @property
+    def kind(self) -> str | None:
+        return _KINDS.get(self.source) if self.drafts else None
+
+    @property
+    def model_ms(self) -> float:
+        """Engine time of the round's calls."""
+        return self.verdict.model_ms + (self.proposal.model_ms if self.proposal is not None else 0.0)
+
+
+@dataclass
 class SpeculationStats:
     """Per-request counters. Model time is what the replicas spent in their batched engine
     calls; coordination is the rest of each round as the router saw it: handle hops,
@@ -122,19 +128,43 @@ class SpeculationStats:
     lookahead_hits: int = 0
     draft_ms: float = 0.0
     hidden_draft_ms: float = 0.0
-    # Rounds whose drafts came from prompt lookup (router/lookup.py), their drafts and those kept;
-    # the same for suffix drafts (router/suffix.py).
-    lookup_rounds: int = 0
-    lookup_drafted_tokens: int = 0
-    lookup_accepted_tokens: int = 0
-    suffix_rounds: int = 0
-    suffix_drafted_tokens: int = 0
-    suffix_accepted_tokens: int = 0
+    # Rounds that verified drafts, their drafts and those kept, by where the drafts came from.
+    by_kind: dict[str, list[int]] = field(default_factory=dict)
+
+    def record(self, outcome: RoundOutcome) -> None:
+        verdict, proposal = outcome.verdict, outcome.proposal
+        self.rounds += 1
+        self.k_chosen += outcome.k
+        self.drafted_tokens += len(outcome.drafts)
+        self.accepted_tokens += verdict.accepted
+        self.verify_batch_rows += verdict.batch_rows
+        self.model_ms += outcome.model_ms
+        self.round_ms += outcome.round_ms
+        self.call_ms += outcome.verify_call_ms + outcome.draft_call_ms
+        self.replica_ms += verdict.replica_ms + (proposal.replica_ms if proposal is not None else 0.0)
+        self.fallback_rounds += outcome.fallback
+        drafted_by = proposal or (outcome.ahead.proposal if outcome.ahead is not None else None)
+        if drafted_by is not None:
+            self.draft_rounds += 1
+            self.draft_batch_rows += drafted_by.batch_rows
+            self.draft_ms += drafted_by.model_ms
+        if outcome.ahead is not None:
+            self.hidden_draft_ms += outcome.ahead.proposal.model_ms
+        if outcome.kind is not None:
+            counts = self.by_kind.setdefault(outcome.kind, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += len(outcome.drafts)
+            counts[2] += verdict.accepted
 
     @classmethod
     def total(cls, parts: list["SpeculationStats"]) -> "SpeculationStats":
         """The counters of a request's choices, summed (its response reports them as one)."""
-        return cls(**{name: sum(getattr(part, name) for part in parts) for name in cls.__dataclass_fields__})
+        total = cls(**{name: sum(getattr(part, name) for part in parts)
+                       for name in cls.__dataclass_fields__ if name != "by_kind"})
+        for part in parts:
+            for kind, counts in part.by_kind.items():
+                total.by_kind[kind] = [a + b for a, b in zip(total.by_kind.get(kind, [0, 0, 0]), counts)]
+        return total
 
     def as_dict(self) -> dict:
         rate = self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -156,19 +186,9 @@ class SpeculationStats:
                 "lookahead_hit_rate": round(self.lookahead_hits / self.lookaheads_checked, 4)
                 if self.lookaheads_checked else 0.0,
                 "draft_hidden_share": round(self.hidden_draft_ms / self.draft_ms, 4) if self.draft_ms else 0.0,
-                "by_kind": self._by_kind()}
-
-    def _by_kind(self) -> dict:
-        """Rounds that drafted, drafts and accepted drafts, by where the drafts came from."""
-        return {"draft_model": {"rounds": self.draft_rounds,
-                                "drafted_tokens": self.drafted_tokens - self.lookup_drafted_tokens
-                                - self.suffix_drafted_tokens,
-                                "accepted_tokens": self.accepted_tokens - self.lookup_accepted_tokens
-                                - self.suffix_accepted_tokens},
-                "ngram": {"rounds": self.lookup_rounds, "drafted_tokens": self.lookup_drafted_tokens,
-                          "accepted_tokens": self.lookup_accepted_tokens},
-                "suffix": {"rounds": self.suffix_rounds, "drafted_tokens": self.suffix_drafted_tokens,
-                           "accepted_tokens": self.suffix_accepted_tokens}}
+                "by_kind": {kind: dict(zip(("rounds", "drafted_tokens", "accepted_tokens"),
+                                           self.by_kind.get(kind, [0, 0, 0])))
+                            for kind in _KINDS.values()}}
 
 
 @dataclass
@@ -209,46 +229,34 @@ def round_seed(seed: int, round_index: int, role: str) -> int:
 
 class SpeculationLoop:
     def __init__(self, draft, target, tokenizer, eos_token_ids: set[int], timeouts: PoolTimeouts,
-                 control: KController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
-                 channel_key: bytes | None = None, engine_rounds: bool = False, decode_steps: int = 1,
+                 control: GoodputController, lanes: int = 1, gather_wait_s: float = 0.02, metrics=None,
+                 channel_key: bytes | None = None, engine_rounds: bool = False,
                  lookup: LookupOptions | None = None, suffix_cache_tokens: int = 0):
         """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
         draft pool on its own, replicas/engines/vllm/target.py): a request streams from it.
-        decode_steps: single-token steps one target call runs for a round without drafts.
+        control: the router's choice of every round's source, k and steps, for every method.
         lookup: how prompt lookup drafts (router/lookup.py) in hybrid and fallback rounds.
-        control: the measured choice of k for the draft pool's drafts; lookup requests' have
-        one per method, with the same bounds (their keep chances and best k differ: a lookup
-        draft costs no draft call).
         suffix_cache_tokens: the finished outputs kept for suffix drafts (router/suffix.py)."""
         self.engine_rounds = engine_rounds
-        self.decode_steps = decode_steps
-        self.lookup = lookup or LookupOptions()
-        # DeploymentHandles of the pools, by value: a call goes to the replica directly
-        # instead of through the object store, 4.96 -> 3.75 ms median per call here
-        # (python -m cluster.bench.hops, docs/BENCHMARKS.md).
-        # No draft pool (draft None): the cluster drafts by lookup only.
-        self.pools = {pool: handle.options(_by_reference=False)
-                      for pool, handle in (("draft", draft), ("target", target)) if handle is not None}
-        # Faster still: the calls of a round over direct channels to the same replicas (about
-        # 0.75 ms against 4.3-4.8 ms a handle call, docs/BENCHMARKS.md); handles carry the rest.
-        self.routes = DirectRoutes(channel_key, self._channel_address) if channel_key is not None else None
-        self.call_paths: Counter[str] = Counter()   # pool calls sent "direct" and by "handle"
+        self.client = PoolClient(draft, target, timeouts, channel_key)
+        self.readiness = PoolReadiness(self.client.describe, list(self.client.pools))
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.timeouts = timeouts
         self.lanes = lanes
-        self.gatherer = CallGatherer(self._send, gather_wait_s,
-                                     abandoned=lambda pool, lane, seq_id: self._release(lane, seq_id, pool))
+        self.gatherer = CallGatherer(self.client.send, gather_wait_s,
+                                     abandoned=lambda pool, lane, seq_id: self.client.release(lane, seq_id, pool))
         self.drafts = DraftAvailability(self._probe_drafts, timeouts.draft_s)
         self.control = control
-        self.lookup_controls = {method: KController(control.min_k, control.max_k, control.start.k,
-                                                    hybrid=method == "hybrid")
-                                for method in ("ngram", "suffix", "hybrid")}
         self.outputs = OutputCache(suffix_cache_tokens) if suffix_cache_tokens else None
+        self.sources = DraftSources(lookup or LookupOptions(), self.outputs)
         self.metrics = metrics            # router/metrics.py RouterMetrics, or None
-        self._profiles_task: asyncio.Task | None = None
-        self._retries: Counter[str] = Counter()   # per sequence: calls repeated after a replica died
+        self._anchors_task: asyncio.Task | None = None
+        self._anchored: set[str] = set()  # pools whose start-up passes the controller has
         self._running: set[str] = set()
+
+    @property
+    def call_paths(self):
+        return self.client.call_paths
 
     def active_sequences(self) -> list[str]:
         return sorted(self._running)
@@ -261,6 +269,7 @@ class SpeculationLoop:
                              StopStringFilter(gen.stop, keep=gen.include_stop), gen.ends_on(self.eos_token_ids))
         self.gatherer.begin(lane, seq_id)
         self._running.add(seq_id)
+        self.control.begin(seq_id)
         ahead = _Ahead()
         chunks = (self._engine_rounds(seq_id, gen, stats) if self.engine_rounds
                   else self._rounds(lane, seq_id, tokens, gen, stats, ahead))
@@ -278,13 +287,14 @@ class SpeculationLoop:
             # Nothing awaited before the caches are released: a request cancelled again while
             # it unwinds must not leave them held.
             self._running.discard(seq_id)
+            self.control.end(seq_id)
             self.gatherer.finish(lane, seq_id)
-            self._retries.pop(seq_id, None)
-            self._release(lane, seq_id, "draft", "target")
+            self.client.retries.pop(seq_id, None)
+            self.client.release(lane, seq_id, "draft", "target")
             if self.outputs is not None and not self.engine_rounds:
                 self.outputs.add(gen.prompt_ids, tokens[len(gen.prompt_ids):])
             if ahead.task is not None:   # it would cache the sequence again on the draft replica
-                ahead.task.add_done_callback(lambda _: self._release(lane, seq_id, "draft"))
+                ahead.task.add_done_callback(lambda _: self.client.release(lane, seq_id, "draft"))
             await chunks.aclose()        # an engine's stream: abort the request there now
 
     async def _rounds(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
@@ -301,12 +311,12 @@ class SpeculationLoop:
         request = GenerateRequest(seq_id, list(gen.prompt_ids), gen.max_tokens, gen.sampling, gen.seed,
                                   tuple(sorted(gen.ends_on(self.eos_token_ids))), gen.ignore_eos,
                                   logprobs=gen.logprobs, prompt_logprobs=gen.prompt_logprobs)
-        response = self.pools["target"].options(stream=True).generate.remote(request)
+        response = self.client.pools["target"].options(stream=True).generate.remote(request)
         try:
             while True:
                 started = time.perf_counter()
                 try:
-                    step = await asyncio.wait_for(response.__anext__(), self.timeouts.target_s)
+                    step = await asyncio.wait_for(response.__anext__(), self.client.timeouts.target_s)
                 except StopAsyncIteration:
                     return
                 stats.rounds += 1
@@ -318,104 +328,129 @@ class SpeculationLoop:
     async def _round(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
                      stats: SpeculationStats, ahead: _Ahead) -> Verification:
         started = time.perf_counter()
-        cap = gen.max_tokens - (len(tokens) - len(gen.prompt_ids)) - 1   # a round yields up to k + 1 tokens
+        cap = gen.max_tokens - (len(tokens) - len(gen.prompt_ids)) - 1   # a round yields up to k + steps tokens
         if cap == 0 and gen.k > 0:
             # The last token needs no draft: free the draft pool's cache now.
-            self._release(lane, seq_id, "draft")
-        in_flight = len(self._running)
-        levels = {id(control): control.note_load(in_flight) for control in self._controls()}
-        control = self._control_of(gen)
-        level = levels[id(control)]
-        arm, whole = self._arm(gen, control, cap, level)
-        k, overlap = arm.k, arm.overlap and not arm.lookup
-        stats.k_chosen += k
-        fallbacks_before = stats.fallback_rounds
-        ready = await self._drafts_ahead(ahead, k, stats)
-        if ready is not None:
-            drafts, probs, proposal = ready.tokens, ready.probs, None   # drafted off this round's path
+            self.client.release(lane, seq_id, "draft")
+        self._anchor_costs()
+        choice, offer = self._choose(seq_id, tokens, gen, cap)
+        overlap = self._overlap(gen, choice)
+        ready = await self._drafts_ahead(ahead, choice.k if choice.source == POOL else 0, stats)
+        if ready is not None:   # drafted off this round's path
+            source, drafts, probs, proposal, match, fallback, draft_ms = POOL, ready.tokens, ready.probs, None, 0, False, 0.0
         else:
-            drafts, probs, proposal = await self._drafts(lane, seq_id, tokens, k, gen, stats, max(cap, 0),
-                                                         lookup_alone=arm.lookup)
-        # model drafts come with a proposal; a suffix request's drafts are all suffix drafts
-        looked_up = bool(drafts) and ready is None and proposal is None
-        kind = ("suffix" if gen.method == "suffix" else "ngram") if looked_up else "draft_model"
+            source, drafts, probs, proposal, match, fallback, draft_ms = await self._draft(
+                lane, seq_id, tokens, gen, choice, offer, stats.rounds)
+            fallback = fallback or offer.fallback
+        # The first round's one pass: its token is not held back by further steps.
+        steps = 1 if stats.rounds == 0 or (overlap and drafts) else choice.steps
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
             seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
             noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids), logprobs=gen.logprobs,
             prompt_logprobs=gen.prompt_logprobs if stats.rounds == 0 else None,
-            steps=self._plain_steps(drafts, cap, stats.rounds), stop_ids=tuple(gen.ends_on(self.eos_token_ids)))))
-        if overlap and drafts:
+            steps=steps, stop_ids=tuple(gen.ends_on(self.eos_token_ids)))))
+        if overlap and drafts and source == POOL:
             stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
-                                                 lookahead_size(k, cap - len(drafts) - 1), gen, stats.rounds)
+                                                 lookahead_size(choice.k, cap - len(drafts) - 1), gen, stats.rounds)
         verdict = await verifying
         ahead.verdict = verdict
-        stats.call_ms += (time.perf_counter() - verify_started) * 1000
-        stats.replica_ms += verdict.replica_ms
-        if self.metrics is not None:
-            # A call after the first that computed the whole sequence again rebuilt its cache.
-            rebuilt = {"target": stats.rounds > 0 and verdict.positions_fed >= len(tokens),
-                       "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= len(tokens)}
-            self.metrics.round(k, len(drafts), verdict, proposal, stats.fallback_rounds > fallbacks_before, rebuilt,
-                               lookup=looked_up)
-        model_ms = verdict.model_ms + (proposal.model_ms if proposal is not None else 0.0)
-        stats.rounds += 1
-        stats.drafted_tokens += len(drafts)
-        stats.accepted_tokens += verdict.accepted
-        if kind == "ngram":
-            stats.lookup_rounds += 1
-            stats.lookup_drafted_tokens += len(drafts)
-            stats.lookup_accepted_tokens += verdict.accepted
-        elif kind == "suffix":
-            stats.suffix_rounds += 1
-            stats.suffix_drafted_tokens += len(drafts)
-            stats.suffix_accepted_tokens += verdict.accepted
-        stats.verify_batch_rows += verdict.batch_rows
-        stats.model_ms += verdict.model_ms
-        round_ms = (time.perf_counter() - started) * 1000
-        stats.round_ms += round_ms
-        stats.retried_calls = self._retries[seq_id]
-        for each in self._controls():
-            each.observe(levels[id(each)], len(drafts), verdict.accepted, round_ms, model_ms, in_flight,
-                         adaptive=gen.adaptive, whole=whole, tokens=len(verdict.tokens), mine=each is control)
+        now = time.perf_counter()
+        self._record(seq_id, stats, RoundOutcome(
+            source, len(tokens), choice.k, drafts, match, verdict, proposal, ready, fallback, (now - started) * 1000,
+            (now - verify_started) * 1000, draft_ms, choice.predicted_ms))
         return verdict
 
-    def _controls(self) -> list[KController]:
-        return [self.control, *self.lookup_controls.values()]
+    def _choose(self, seq_id: str, tokens: list[int], gen: Generation, cap: int) -> tuple[Choice, Offer]:
+        """This round's source, k and steps: the controller's choice (router/k_control.py), or
+        the request's fixed k from its method's source."""
+        pool = self.client.has("draft") and self.drafts.available and self.readiness.is_ready("draft")
+        if not gen.adaptive:
+            k = min(gen.k, max(cap, 0))
+            offer = self.sources.offer(gen.method, tokens, k, pool)
+            source = fixed_source(offer) if k else None
+            if source is not None and source != POOL:
+                k = min(k, len(offer.lookup))
+            return Choice(source, k if source else 0, self.control.steps(k if source else 0, cap), None), offer
+        offer = self.sources.offer(gen.method, tokens, min(self.control.max_k, max(cap, 0)), pool)
+        return self.control.choose(seq_id, offer, len(tokens), cap, gen.method), offer
 
-    def _control_of(self, gen: Generation) -> KController:
-        """The measured choice this request's k follows: its method's for lookup and hybrid
-        requests, the draft pool's for the others."""
-        return self.lookup_controls.get(gen.method, self.control)
+    def _overlap(self, gen: Generation, choice: Choice) -> bool:
+        """Whether this round drafts the next window while it is verified (router/lookahead.py)."""
+        if choice.source != POOL or choice.k == 0:
+            return False
+        return self.control.overlap_pays(choice.k) if gen.overlap == "auto" else bool(gen.overlap)
 
-    def _plain_steps(self, drafts: list[int], cap: int, round_index: int) -> int:
-        """Forward passes a round without drafts asks the target for (VerifyRequest.steps):
-        up to decode_steps, within the tokens left; one for the first round, so that the
-        first token is not held back."""
-        if drafts or round_index == 0:
-            return 1
-        return max(1, min(self.decode_steps, cap + 1))
+    def _record(self, seq_id: str, stats: SpeculationStats, outcome: RoundOutcome) -> None:
+        """The round's outcome, once: the request's stats, the controller, the metrics."""
+        verdict, proposal = outcome.verdict, outcome.proposal
+        if self.metrics is not None:
+            # A call after the first that computed the whole sequence again rebuilt its cache.
+            rebuilt = {"target": stats.rounds > 0 and verdict.positions_fed >= outcome.context,
+                       "draft": stats.rounds > 0 and proposal is not None and proposal.positions_fed >= outcome.context}
+            self.metrics.round(outcome, rebuilt)
+        stats.record(outcome)
+        stats.retried_calls = self.client.retries[seq_id]
+        control = self.control
+        control.observe_round(seq_id, outcome.source if outcome.drafts else None, len(outcome.drafts),
+                              verdict.accepted, outcome.match)
+        if verdict.batch is not None:
+            control.observe_passes("target", verdict.batch.batch_id, verdict.batch.passes)
+        if proposal is not None and proposal.batch is not None:
+            control.observe_passes("draft", proposal.batch.batch_id, proposal.batch.passes)
+        control.observe_timing(proposal is not None, outcome.round_ms, outcome.model_ms, outcome.predicted_ms)
 
-    def _arm(self, gen: Generation, control: KController, cap: int, level: int) -> tuple[Arm, bool]:
-        """This round's k and overlap: the request's, or the router's measured choice at this
-        load level (router/k_control.py); and whether the request's end left the k whole."""
-        if gen.adaptive:
-            chosen = control.choose(level, control.max_k)
-            k, whole = min(chosen.k, cap), chosen.k <= cap
-            if control is self.control and not control.prior.ready:
-                self._fetch_profiles()
-        else:
-            chosen, k, whole = None, min(gen.k, cap), gen.k <= cap
-        if gen.overlap == "auto":
-            overlap = (chosen or control.choose(level, control.max_k)).overlap
-        else:
-            overlap = bool(gen.overlap)
-        return Arm(k, overlap and k > 0, chosen is not None and chosen.lookup and k > 0), whole
+    def _anchor_costs(self) -> None:
+        """The pools' start-up passes, once each, fetched in the background (a fresh context:
+        it outlives the request that asked): the controller's cost model starts from them."""
+        if len(self._anchored) == len(self.client.pools):
+            return
+        if self._anchors_task is None or self._anchors_task.done():
+            self._anchors_task = asyncio.get_running_loop().create_task(
+                self._fetch_anchors(), context=contextvars.Context())
+
+    async def _fetch_anchors(self) -> None:
+        for pool in self.client.pools:
+            if pool in self._anchored:
+                continue
+            try:
+                state = await self.client.describe(pool, 30.0)
+            except Exception:  # noqa: BLE001 - asked again at a later round; the generic anchor meanwhile
+                logger.warning("no start-up passes from the %s pool yet", pool, exc_info=True)
+                continue
+            self.control.anchor(pool, state.get("startup_passes") or [])
+            self._anchored.add(pool)
 
     @staticmethod
     def _noise_seed(gen: Generation) -> int | None:
         """The seed of a seeded sampled request's public noise (replicas/gumbel.py)."""
         return gen.seed if gen.seeded and not gen.sampling.greedy else None
+
+    async def _draft(self, lane: str, seq_id: str, tokens: list[int], gen: Generation, choice: Choice,
+                     offer: Offer, round_index: int) -> tuple:
+        """The chosen drafts: (source, drafts, their q or None, the pool's proposal or None,
+        the lookup match, whether the pool failed, the draft call's wall ms). Lookup drafts go
+        without q: one-hot, as the target's rule then takes them."""
+        if choice.k == 0 or choice.source is None:
+            return None, [], None, None, 0, False, 0.0
+        if choice.source != POOL:
+            return choice.source, list(offer.lookup[:choice.k]), None, None, offer.match, False, 0.0
+        started = time.perf_counter()
+        try:
+            proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
+                seq_id, tokens, choice.k, gen.sampling, round_seed(gen.seed, round_index, "draft"),
+                noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids)))
+        except RowError as exc:   # this sequence's row alone failed on the draft replica
+            logger.warning("drafting failed for %s (%s): verifying without the pool's drafts", seq_id, exc)
+            return self._fell_back(tokens, choice.k)
+        except Exception as exc:  # noqa: BLE001 - the pool failed or is late: go on without it
+            self.drafts.report_failure(type(exc).__name__)
+            return self._fell_back(tokens, choice.k)
+        return POOL, proposal.tokens, proposal.probs, proposal, 0, False, (time.perf_counter() - started) * 1000
+
+    def _fell_back(self, tokens: list[int], k: int) -> tuple:
+        drafts, match = self.sources.fallback(tokens, k)
+        return ("ngram" if drafts else None), drafts, None, None, match, True, 0.0
 
     async def _drafts_ahead(self, ahead: _Ahead, k: int, stats: SpeculationStats) -> Drafts | None:
         """This round's drafts from the last round's lookahead, when its guess held. A
@@ -437,10 +472,6 @@ class SpeculationLoop:
         if ready is None or not ready.tokens:
             return None
         stats.lookahead_hits += 1
-        stats.draft_ms += lookahead.model_ms
-        stats.hidden_draft_ms += lookahead.model_ms
-        stats.draft_batch_rows += lookahead.batch_rows
-        stats.draft_rounds += 1
         return ready
 
     def _look_ahead(self, ahead: _Ahead, lane: str, seq_id: str, tokens: list[int], drafts: list[int],
@@ -456,7 +487,7 @@ class SpeculationLoop:
 
         async def look() -> Proposal | None:
             try:
-                [answer] = await self._send("draft", lane, [request])
+                [answer] = await self.client.send("draft", lane, [request])
             except Exception:  # noqa: BLE001 - a lost lookahead is a miss; the next round drafts
                 return None
             return None if isinstance(answer, RowError) else answer
@@ -464,134 +495,8 @@ class SpeculationLoop:
         ahead.drafts = list(drafts)
         return 1
 
-    def _fetch_profiles(self) -> None:
-        """The pools' cost profiles, once, in the background (a fresh context: it outlives the
-        request that asked)."""
-        if self._profiles_task is None or (self._profiles_task.done() and not self.control.prior.ready):
-            self._profiles_task = asyncio.get_running_loop().create_task(
-                self._load_profiles(), context=contextvars.Context())
-
-    async def _load_profiles(self) -> None:
-        for pool in self.pools:
-            try:
-                state = await _within(self.pools[pool].describe.remote(), 30.0)
-                self.control.prior.profiles[pool] = CostProfile.from_describe(state)
-            except Exception:  # noqa: BLE001 - retried at a later round; the prior waits meanwhile
-                logger.warning("no cost profile from the %s pool yet", pool, exc_info=True)
-
-    async def _drafts(self, lane: str, seq_id: str, tokens: list[int], k: int, gen: Generation,
-                      stats: SpeculationStats, room: int, lookup_alone: bool = False) -> tuple[list[int], object, object]:
-        """k drafts, their probabilities q and the proposal; none when k is 0 or the drafts
-        are unavailable. A hybrid round takes up to lookup.k drafts from a long enough match
-        instead, whatever its k, within `room` (the drafts the request's end leaves space for);
-        with `lookup_alone` (its measured choice, router/k_control.py) k drafts by lookup, as
-        ngram would, and never the draft pool's."""
-        # Lookup drafts go without probs: q one-hot, as the target's rule then takes it.
-        if gen.method == "hybrid" and lookup_alone:
-            return lookup_drafts(tokens, k), None, None
-        if gen.method == "hybrid" and room > 0:
-            drafts, matched = lookup_match(tokens, min(self.lookup.k, room))
-            if matched >= self.lookup.hybrid_min_ngram:
-                return drafts, None, None
-        if k == 0:
-            return [], None, None
-        if gen.method == "ngram":
-            return lookup_drafts(tokens, k), None, None
-        if gen.method == "suffix":
-            return suffix_drafts(tokens, k, self.outputs), None, None
-        if not self.drafts.available:
-            stats.fallback_rounds += 1
-            return self._fallback_drafts(tokens, k), None, None
-        started = time.perf_counter()
-        try:
-            proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
-                seq_id, tokens, k, gen.sampling, round_seed(gen.seed, stats.rounds, "draft"),
-                noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids)))
-        except RowError as exc:   # this sequence's row alone failed on the draft replica
-            logger.warning("drafting failed for %s (%s): verifying without drafts", seq_id, exc)
-            stats.fallback_rounds += 1
-            return self._fallback_drafts(tokens, k), None, None
-        except Exception as exc:  # noqa: BLE001 - the pool failed or is late: go on without it
-            self.drafts.report_failure(type(exc).__name__)
-            stats.fallback_rounds += 1
-            return self._fallback_drafts(tokens, k), None, None
-        stats.draft_batch_rows += proposal.batch_rows
-        stats.draft_rounds += 1
-        stats.model_ms += proposal.model_ms
-        stats.draft_ms += proposal.model_ms
-        stats.call_ms += (time.perf_counter() - started) * 1000
-        stats.replica_ms += proposal.replica_ms
-        return proposal.tokens, proposal.probs, proposal
-
-    def _fallback_drafts(self, tokens: list[int], k: int) -> list[int]:
-        """A round whose draft pool failed or is late drafts by prompt lookup, where the server
-        serves it; else (or without a match) it goes on with the target alone."""
-        return lookup_drafts(tokens, k) if self.lookup.fallback else []
-
-    async def _send(self, pool: str, lane: str, requests: list) -> list:
-        """One call to a pool with the requests of a lane (router/gathering.py): over the
-        lane's direct channel when there is one, else (or when it breaks) by handle. A draft
-        call gets one attempt within the draft budget: a late draft is no draft."""
-        budget_s = self.timeouts.draft_s if pool == "draft" else self.timeouts.target_s
-        give_up_at = time.monotonic() + budget_s
-        client = self.routes.client(pool, lane) if self.routes is not None else None
-        if client is not None:
-            try:
-                results = await asyncio.wait_for(client.call(_METHODS[pool], requests), budget_s)
-                self.call_paths["direct"] += 1
-                return results
-            except ChannelBroken:
-                logger.info("the direct channel to the %s pool broke; this call goes by handle", pool)
-                self.routes.forget(pool, lane)
-                if pool == "target":   # it may have died with the replica: this is its retry
-                    self._retries.update(request.seq_id for request in requests)
-            except asyncio.TimeoutError:
-                if pool == "draft":
-                    raise
-                raise TargetTimeout(f"the target pool did not answer within {budget_s:g} s") from None
-        self.call_paths["handle"] += 1
-        if pool == "draft":
-            remaining = max(give_up_at - time.monotonic(), 0.001)
-            return await _within(self._lane_handle(pool, lane).propose.remote(requests), remaining)
-        return await self._verify(lane, requests, give_up_at)
-
-    async def _channel_address(self, pool: str, lane: str) -> tuple[str, int]:
-        return await _within(self._lane_handle(pool, lane).channel_address.remote(), 10.0)
-
-    async def _verify(self, lane: str, requests: list, give_up_at: float) -> list:
-        """When the replica died, retry with backoff until Serve routes the call to another
-        replica, or has replaced the dead one (a tensor-parallel replica restarts whole); the
-        requests carry all their state, so any replica can answer them. Retries and all take
-        at most the pool's call timeout."""
-        method = self._lane_handle("target", lane).verify
-        for attempt in itertools.count():
-            try:
-                return await _within(method.remote(requests), max(give_up_at - time.monotonic(), 0.001))
-            except asyncio.TimeoutError:
-                raise TargetTimeout(f"the target pool did not answer within {self.timeouts.target_s:g} s") from None
-            except (RayActorError, ReplicaUnavailableError) as exc:
-                if time.monotonic() >= give_up_at:
-                    raise TargetUnavailable(f"no target replica could serve the call ({type(exc).__name__})") from None
-                self._retries.update(request.seq_id for request in requests)
-                logger.warning("replica died during a verify call; retrying (attempt %d)", attempt + 2)
-                await asyncio.sleep(min(_RETRY_BACKOFF_S * 2 ** attempt, _LONGEST_RETRY_PAUSE_S))
-
     async def _probe_drafts(self) -> None:
-        await self.pools["draft"].describe.remote()
-
-    @functools.cache
-    def _lane_handle(self, pool: str, lane: str):
-        return self.pools[pool].options(session_id=lane)
-
-    def _release(self, lane: str, seq_id: str, *pools: str) -> None:
-        """Free the sequence's caches; not awaited, since nothing depends on it. Sent from a
-        fresh context: Serve cancels the calls a cancelled request (a client that went away)
-        makes, and these are made as it unwinds."""
-        for pool in (pool for pool in pools if pool in self.pools):
-            try:
-                contextvars.Context().run(self._lane_handle(pool, lane).release.remote, seq_id)
-            except Exception:  # noqa: BLE001 - a failed cleanup only costs cache space (LRU)
-                logger.warning("could not release caches of %s", seq_id, exc_info=True)
+        await self.client.describe("draft", self.client.timeouts.draft_s)
 
     @staticmethod
     def _emit(new_tokens: list[int], progress: _Progress, gen: Generation,
@@ -626,14 +531,3 @@ class SpeculationLoop:
         if verdict is not None and verdict.prompt_logprobs is not None:
             delta.prompt_logprobs = list(verdict.prompt_logprobs)
         return delta
-
-
-async def _within(response, timeout_s: float):
-    """Await a DeploymentResponse for at most timeout_s; cancel the call when it is late."""
-    async def result():
-        return await response
-    try:
-        return await asyncio.wait_for(result(), timeout_s)
-    except asyncio.TimeoutError:
-        response.cancel()
-        raise

@@ -109,11 +109,16 @@ class OutputCache:
 def suffix_drafts(tokens: list[int], k: int, cache: OutputCache | None) -> list[int]:
     """Up to k drafts for what follows `tokens`: the sequence's own longest earlier match or
     the output cache's, whichever matched the longer context (the sequence's own on a tie)."""
+    return suffix_match(tokens, k, cache)[0]
+
+
+def suffix_match(tokens: list[int], k: int, cache: OutputCache | None) -> tuple[list[int], int]:
+    """suffix_drafts' drafts, and the length of the context they were matched on (0: none)."""
     if k <= 0:
-        return []
+        return [], 0
     depth = cache.depth if cache is not None else DEPTH
     own, own_match = lookup_match(tokens, k, max_ngram=depth)
     if cache is None:
-        return own
+        return own, own_match
     shared, shared_match = cache.walk(tokens, k)
-    return shared if shared_match > own_match else own
+    return (shared, shared_match) if shared_match > own_match else (own, own_match)

@@ -123,7 +123,7 @@ def test_a_request_picks_its_draft_method_among_the_servers(zoo, tokenizer):
     assert refused.value.status == 400 and refused.value.param == "speculation.method"
     lookup_default = cluster_config(zoo.target, zoo.drafts["copy"], speculation={"method": "ngram"})
     [gen] = Admission(lookup_default, tokenizer, len(tokenizer)).completion(completion_body())
-    assert (gen.method, gen.adaptive, gen.k) == ("ngram", False, 4)        # lookup: k fixed unless adaptive_lookup
-    on = cluster_config(zoo.target, zoo.drafts["copy"], speculation={"method": "ngram", "adaptive_lookup": True})
-    [gen] = Admission(on, tokenizer, len(tokenizer)).completion(completion_body())
-    assert (gen.method, gen.adaptive, gen.overlap) == ("ngram", True, False)   # k by lookup's measured choice
+    assert (gen.method, gen.adaptive, gen.overlap) == ("ngram", True, False)   # lookup too: the controller's k
+    off = cluster_config(zoo.target, zoo.drafts["copy"], speculation={"method": "ngram", "adaptive": False})
+    [gen] = Admission(off, tokenizer, len(tokenizer)).completion(completion_body())
+    assert (gen.method, gen.adaptive, gen.k) == ("ngram", False, 4)        # adaptive off: speculation.k

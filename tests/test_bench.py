@@ -1,6 +1,8 @@
-"""`specserve bench` end to end against a served app: both load modes, every speculation mode
-(adaptive, fixed k, a k sweep, target-only, overlap on and off) with repeats, every baseline, and the three
-outputs (table, JSON with the documented keys, PNG)."""
+"""`specserve bench` end to end against a served app: the fresh workload (every request a prompt
+never sent before), both sampling settings, both load modes, every speculation mode (target
+only, the server's default, each method with k the server's choice and with k fixed, overlap
+on and off) with repeats, every baseline, and the three outputs (table, JSON with the
+documented keys, PNG); then the repeated workload."""
 
 from __future__ import annotations
 
@@ -10,62 +12,118 @@ import yaml
 
 from cluster.cli import main
 
+METHODS = ["draft_model", "ngram", "suffix", "hybrid"]
 
-def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, capsys):
+
+def _config(tmp_path, zoo):
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({
         "models": {"target": {"path": str(zoo.target)}, "draft": {"path": str(zoo.drafts["perturbed"])}},
-        "limits": {"context_length": 512}, "speculation": {"k": 4, "overlap": "auto", "adaptive_lookup": True}}))
+        "limits": {"context_length": 512}, "speculation": {"k": 4, "overlap": "auto"}}))
+    return config
+
+
+def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--url", apps["perturbed"], "--app", "spec-perturbed", "--config", str(config), "--concurrency", "1", "3",
-                 "--request-rate", "20", "--num-requests", "3", "--max-tokens", "12", "--prompt-tokens", "16",
-                 "--sweep-k", "2", "--repeats", "2", "--hf-prompts", "1", "--out", str(out)])
+    code = main(["bench", "--url", apps["perturbed"], "--app", "spec-perturbed", "--config", str(_config(tmp_path, zoo)),
+                 "--concurrency", "1", "3", "--sampling", "greedy", "sampled", "--request-rate", "20",
+                 "--num-requests", "3", "--max-tokens", "12", "--prompt-tokens", "16", "--fixed-k", "2",
+                 "--repeats", "2", "--hf-prompts", "1", "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert [run["concurrency"] for run in report["closed_loop"]] == [1, 3]
-    fixed = ["adaptive", "speculative", "target_only", "ngram", "suffix", "hybrid", "hybrid_adaptive",
-             "ngram_adaptive", "suffix_adaptive", "overlap", "no_overlap"]   # overlap may be on
-    for run in report["closed_loop"]:             # the sweep at every concurrency
-        assert run["modes"] == fixed + ["k=2"]
-    # the router's choice, after each run (the served app's lookup requests take k fixed: only adaptive's)
-    choices = report["closed_loop"][0]["adaptive"]["choice_after_each_run"]
-    assert len(choices) == 2 and all(set(c) >= {"choice", "settled_after_rounds", "tokens_per_s"} for [c] in choices)
-    assert [c["rounds"] for [c] in report["closed_loop"][0]["ngram_adaptive"]["choice_after_each_run"]] == [0, 0]
-    hybrid = [c["rounds"] for [c] in report["closed_loop"][0]["hybrid_adaptive"]["choice_after_each_run"]]
-    assert 0 < hybrid[0] < hybrid[1]          # hybrid requests without a k follow hybrid's own choice
-    for run in report["closed_loop"]:
+    assert report["workload"] == "fresh" and report["ignore_eos"] is True
+    assert report["sampling"] == {"greedy": {"temperature": 0}, "sampled": {"temperature": 0.8, "top_p": 0.95}}
+    closed, opened = report["closed_loop"], report["open_loop"]
+    assert [(run["concurrency"], run["sampling"]) for run in closed] == [
+        (1, "greedy"), (1, "sampled"), (3, "greedy"), (3, "sampled")]
+    assert [(run["concurrency"], run["sampling"]) for run in opened] == [("20.0/s", "greedy"), ("20.0/s", "sampled")]
+    modes = ["target_only", "default", *METHODS, *(f"{m}_k2" for m in METHODS), "overlap", "no_overlap"]
+    looked_up = {"ngram": 0, "suffix": 0}
+    for run in closed + opened:
+        assert run["modes"] == modes
+        requests = 3 if run["mode"] == "open" else max(3, 2 * run["concurrency"])
+        for mode in modes:
+            summary = run[mode]
+            assert len(summary["output_tokens_per_s_runs"]) == 2             # --repeats 2
+            assert summary["failed"] == 0 and summary["requests"] == requests
+            # ignore_eos: every request yields exactly max_tokens, in every mode and sampling
+            assert summary["output_tokens"] == run["target_only"]["output_tokens"] == requests * 12
+        assert set(run["speedups"]) == set(modes) and run["speedups"]["target_only"] == 1.0
+        assert all(ratio > 0 for ratio in run["speedups"].values()) and run["noise"] >= 0
+        assert run["speedup_vs_target_only"] == run["speedups"]["default"] > 0
+        if isinstance(report["ideal"], dict):      # the draft_model mode's speedup over the ideal's
+            assert run["efficiency_vs_ideal"] > 0
+        else:
+            assert run["efficiency_vs_ideal"] is None
+        # the router's adaptive control after each run of a speculating mode, reached through --app
+        assert "settling_after_each_run" not in run["target_only"]
+        for mode in modes[1:]:
+            for key in ("settling_after_each_run", "k_by_method_after_each_run"):
+                states = run[mode][key]
+                assert len(states) == 2 and all(s == "not available" or isinstance(s, dict) for s in states), states
+        # k fixed by the request
+        assert all(run[f"{method}_k2"]["mean_k"] <= 2 for method in METHODS)
+        assert run["draft_model_k2"]["mean_k"] > 0
+        # drafts by kind (k fixed): the draft pool's in draft_model, lookup's in ngram, suffix's in
+        # suffix (lookup finds a match in some phases only: 12 tokens after a fresh prompt)
+        pool, lookup, suffix = (run[f"{m}_k2"]["by_kind"] for m in ("draft_model", "ngram", "suffix"))
+        assert _drafted(pool, "draft_model") > 0 and _drafted(pool, "ngram") == 0
+        assert _drafted(lookup, "draft_model") == _drafted(lookup, "suffix") == 0
+        assert _drafted(suffix, "ngram") == _drafted(suffix, "draft_model") == 0
+        looked_up["ngram"] += _drafted(lookup, "ngram")
+        looked_up["suffix"] += _drafted(suffix, "suffix")
+        alone = run["target_only"]
+        assert 1 <= alone["tokens_per_round"] <= 4     # up to pools.target.decode_steps target steps per call
+        assert alone["acceptance_rate"] == 0
+        spec = run["draft_model_k2"]
+        assert 0 < spec["acceptance_rate"] <= 1 and spec["mean_verify_batch"] >= 1
+        assert spec["coordination_ms_per_round"] >= 0
+        if run["sampling"] == "greedy":
+            assert spec["tokens_per_round"] > 1
         assert run["no_overlap"]["lookahead_hit_rate"] == run["no_overlap"]["draft_hidden_share"] == 0.0
-    for run in report["closed_loop"]:
-        for mode in run["modes"]:
-            assert len(run[mode]["output_tokens_per_s_runs"]) == 2       # --repeats 2
-            assert run[mode]["output_tokens"] == run["target_only"]["output_tokens"]   # greedy: same tokens
-        assert run["speedups"]["target_only"] == 1.0 and run["noise"] >= 0
-        assert run[mode]["requests"] == max(3, 2 * run["concurrency"])
-    assert report["closed_loop"][0]["k=2"]["mean_k"] <= 2 and report["closed_loop"][0]["speculative"]["mean_k"] > 2
-    for run in report["closed_loop"] + report["open_loop"]:
-        spec, alone = run["speculative"], run["target_only"]
-        assert spec["failed"] == alone["failed"] == 0
-        assert spec["output_tokens"] == alone["output_tokens"] > 0   # greedy: the same tokens
-        assert spec["tokens_per_round"] > 1
-        # drafts by kind: the draft pool's in the draft_model modes, lookup's in the ngram mode
-        lookup = run["ngram"]["by_kind"]
-        assert spec["by_kind"]["draft_model"]["drafted_tokens"] > 0 and spec["by_kind"]["ngram"]["drafted_tokens"] == 0
-        assert lookup["ngram"]["drafted_tokens"] > 0 and lookup["draft_model"]["drafted_tokens"] == 0
-        suffix = run["suffix"]["by_kind"]
-        assert suffix["suffix"]["drafted_tokens"] > 0 == suffix["ngram"]["drafted_tokens"]
-        assert 1 < alone["tokens_per_round"] <= 4     # several target steps per call (pools.target.decode_steps)
-        assert 0 < spec["acceptance_rate"] <= 1 and alone["acceptance_rate"] == 0
-        assert spec["mean_verify_batch"] >= 1 and spec["coordination_ms_per_round"] >= 0
-        assert run["speedup_vs_target_only"] > 0 and run["efficiency_vs_ideal"] > 0
-    assert report["ideal"]["cost_ratio"] > 0 and report["ideal"]["ideal_speedup"] > 0
+    assert min(looked_up.values()) > 0
+    # every request of the run had a prompt never sent before: 2 warm-ups each of default and
+    # draft_model, a first wave of target_only at each concurrency, then every mode, repeat and phase
+    sent = 2 * 2 + (1 + 3) + 2 * 2 * len(modes) * ((3 + 6) + 3)
+    assert report["prompts"] == {"sent": sent, "distinct": sent}
+    ideal = report["ideal"]
+    if isinstance(ideal, str):     # the server's own k for draft_model may be 0 every round at this load
+        assert ideal == "skipped: the draft_model mode drafted nothing"
+    else:                          # from the draft_model mode at the first greedy phase
+        assert ideal["cost_ratio"] > 0 and ideal["ideal_speedup"] > 0
+        assert ideal["phase"] == "1 greedy" and ideal["mean_k"] > 0
     assert report["hf_assisted"]["identical_outputs"] is True
     assert set(report["summary"]) == {"speedup_vs_target_only", "efficiency_vs_ideal", "speedups_by_mode", "noise",
                                       "hf_assisted_speedup"}
+    phases = {f"{c} {s}" for c in (1, 3, "20.0/s") for s in ("greedy", "sampled")}
+    assert set(report["summary"]["speedup_vs_target_only"]) == phases
     assert report["vllm"].startswith("skipped")
     png = out.with_suffix(".png")
     assert report["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "speedup_vs_target_only" in printed and "transformers assisted generation" in printed
+    assert f"fresh prompts: {sent} sent, {sent} distinct" in printed
+    for phase in ("C=1 greedy: default ", "C=1 sampled: default ", "C=3 greedy: default ", "C=20.0/s sampled: default "):
+        assert phase in printed
+    assert "hybrid_k2" in printed and "(noise " in printed and "transformers assisted generation" in printed
+
+
+def _drafted(by_kind: dict, kind: str) -> int:
+    return by_kind.get(kind, {}).get("drafted_tokens", 0)
+
+
+def test_the_repeated_workload_sends_the_same_prompts_to_every_mode(apps, zoo, tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--url", apps["perturbed"], "--app", "spec-perturbed", "--config", str(_config(tmp_path, zoo)),
+                 "--workload", "repeated", "--sampling", "greedy", "--concurrency", "2", "--modes", "suffix",
+                 "--num-requests", "2", "--max-tokens", "8", "--prompt-tokens", "16", "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    [run] = report["closed_loop"]
+    assert report["workload"] == "repeated" and run["modes"] == ["target_only", "suffix"]
+    assert run["suffix"]["output_tokens"] == run["target_only"]["output_tokens"] == 4 * 8
+    # 2 warm-ups (target_only: --modes left out default and draft_model), a wave of 2, 4 a mode
+    assert report["prompts"]["sent"] == 2 + 2 + 2 * 4 and report["prompts"]["distinct"] <= 4
+    assert report["ideal"].startswith("skipped") and report["hf_assisted"].startswith("skipped")
 
 
 def test_a_vllm_run_that_fails_is_reported_not_raised(zoo):

@@ -1,6 +1,6 @@
-"""Output does not depend on the k the controller picks: the speculation loop of a router,
-on the real pools of a served app, with a controller that changes k at every round (0, the
-target alone, included). Greedy output equals Hugging Face's greedy generate(); a seeded
+"""Output does not depend on the k and steps the controller picks: the speculation loop of a
+router, on the real pools of a served app, with a controller that changes k (0, the target
+alone, included) and the verify call's steps at every round. Greedy output equals Hugging Face's greedy generate(); a seeded
 sampled request gives the same tokens as the same seed with the target alone."""
 
 from __future__ import annotations
@@ -12,23 +12,27 @@ import pytest
 
 from replicas.engines.huggingface.loading import load_tokenizer
 from replicas.sampling import GREEDY, SamplingParams
-from router.k_control import Arm, KController
-from router.speculation import Generation, PoolTimeouts, SpeculationLoop, SpeculationStats
+from router.k_control import POOL, Choice, GoodputController, Offer
+from router.pool_client import PoolTimeouts
+from router.speculation import Generation, SpeculationLoop, SpeculationStats
 from tests.conftest import PROMPTS
 
-SCHEDULE = (1, 5, 0, 3, 8, 2, 4, 0, 6)
+SCHEDULE = ((1, 1), (5, 3), (0, 4), (3, 1), (8, 2), (2, 1), (4, 4), (0, 1), (6, 1))   # (k, steps)
 
 
-class EveryRound(KController):
-    """A controller whose k changes at every round, as SCHEDULE cycles; it records what it gave."""
+class EveryRound(GoodputController):
+    """A controller whose k and steps change at every round, as SCHEDULE cycles; it records
+    the k it gave."""
 
     def __init__(self):
-        super().__init__(min_k=0, max_k=8, start_k=4)
+        super().__init__(max_k=8, min_k=0, max_steps=4)
         self.schedule, self.given = itertools.cycle(SCHEDULE), []
 
-    def choose(self, level: int, cap: int) -> Arm:
-        self.given.append(next(self.schedule))
-        return Arm(min(self.given[-1], cap))
+    def choose(self, seq_id: str, offer: Offer, context: int, cap: int, method: str = "") -> Choice:
+        k, steps = next(self.schedule)
+        self.given.append(k)
+        k = min(k, cap)
+        return Choice(POOL if k else None, k, max(1, min(steps, cap + 1 - k)), None)
 
 
 def loop_on(app: str, zoo) -> tuple[SpeculationLoop, EveryRound]:
@@ -38,8 +42,7 @@ def loop_on(app: str, zoo) -> tuple[SpeculationLoop, EveryRound]:
     control = EveryRound()
     loop = SpeculationLoop(serve.get_deployment_handle("draft", app_name=app),
                            serve.get_deployment_handle("target", app_name=app), tokenizer,
-                           {tokenizer.eos_token_id}, PoolTimeouts(1.0, 60.0), control,
-                           decode_steps=4)   # as served: its k = 0 rounds run several target steps a call
+                           {tokenizer.eos_token_id}, PoolTimeouts(1.0, 60.0), control)
     return loop, control
 
 
@@ -62,7 +65,7 @@ def test_greedy_output_is_the_targets_while_k_changes_every_round(apps, zoo, gre
     for prompt, got in zip(PROMPTS[:4], asyncio.run(all_prompts())):
         assert got == greedy_reference(prompt, 32)
     rounds = len(control.given)
-    assert len(set(control.given)) == len(set(SCHEDULE)) and rounds >= 4 * 32 / 6   # every k, many rounds
+    assert set(control.given) == {k for k, _ in SCHEDULE} and rounds >= 4 * 32 / 8   # every k, many rounds
 
 
 def test_a_seeded_sample_is_the_same_while_k_changes_every_round(apps, zoo):

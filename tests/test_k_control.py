@@ -1,361 +1,170 @@
-"""k chosen by measured throughput (router/k_control.py), driven by simulated clusters: a
-compute-bound target (a verify costs in proportion to its positions, as on this CPU) and a
-memory-bound one (a verify costs about one step, as a large model on a GPU), round times with
-20 % noise, tokens per round from a per-draft keep chance, and load that changes mid-run."""
+"""The goodput controller (router/k_control.py) driven by simulated clusters
+(tests/simulated_cluster.py): compute-bound (a CPU: a verify costs its positions) and
+memory-bound (a GPU: a verify of k + 1 positions costs about one step), 20 % noise on every
+pass and round, acceptance that changes mid-run, load that changes mid-run, and a batch that
+mixes sequences whose drafts are kept with one whose drafts are not. Each test asserts the k
+and steps the controller settles on (against the best, computed from the simulated
+hardware) and within how many rounds."""
 
 from __future__ import annotations
 
-import math
-import random
-from dataclasses import dataclass
+import statistics
 
 import pytest
 
-from router.k_control import Arm, KController, LevelClimb, Measure, ladder, level_name, level_of
+from router.k_control import POOL, GoodputController, Offer
+from tests.simulated_cluster import (SimSequence, Simulation, best_uniform, compute_bound, expected_goodput,
+                                     memory_bound)
+
+SETTLE = 50          # rounds after a change within which the choice must be near the best
+NEAR = 0.93          # of the best goodput, in expectation, with the k it settled on
+NEAR_AFTER_CHANGE = 0.9   # 50 rounds after acceptance moved, its estimates still carry the old rounds
 
 
-@dataclass
-class SimulatedCluster:
-    """A round of k drafts over `load` sequences: tokens 1 + drafts kept (each kept with
-    `keep` once the ones before it were), and wall time coordination + k draft steps + one
-    verify of k + 1 positions per sequence, times lognormal noise."""
-    verify_fixed_ms: float
-    verify_per_position_ms: float
-    draft_fixed_ms: float
-    draft_per_row_ms: float
-    keep: float
-    coordination_ms: float = 2.0
-    noise: float = 0.2
-    overlap_saves: float = 0.0          # share of the draft time a lookahead hides
-    drift: float = 0.0                  # sd of the machine's log speed, wandering over about a second
-    seed: int = 0
-
-    def __post_init__(self):
-        self.rng = random.Random(self.seed)
-        self.clock = 0.0                # seconds
-        self._log_speed = 0.0
-
-    def mean_ms(self, arm: Arm, load: int) -> float:
-        draft = arm.k * (self.draft_fixed_ms + self.draft_per_row_ms * load)
-        if arm.overlap:
-            draft *= 1 - self.overlap_saves
-        verify = self.verify_fixed_ms + self.verify_per_position_ms * load * (arm.k + 1)
-        return self.coordination_ms * (2 if arm.k else 1) + draft + verify
-
-    def expected_tokens(self, k: int) -> float:
-        return sum(self.keep ** i for i in range(k + 1))
-
-    def throughput(self, arm: Arm, load: int) -> float:
-        """Tokens per second across the sequences, in expectation."""
-        return self.expected_tokens(arm.k) / self.mean_ms(arm, load) * load * 1000
-
-    def best(self, arms: list[Arm], load: int) -> Arm:
-        return max(arms, key=lambda arm: self.throughput(arm, load))
-
-    def round(self, arm: Arm, load: int) -> tuple[int, float]:
-        """One sequence's round: its tokens and wall ms. `load` sequences round side by side,
-        so the clock moves on by a load-th of it."""
-        kept = 0
-        while kept < arm.k and self.rng.random() < self.keep:
-            kept += 1
-        ms = self.mean_ms(arm, load) * math.exp(self.rng.gauss(0, self.noise) - self.noise ** 2 / 2 + self._log_speed)
-        self.clock += ms / load / 1000
-        pull = min(ms / load / 1000, 1.0)             # an AR(1) walk with a correlation time of 1 s
-        self._log_speed += -pull * self._log_speed + self.drift * math.sqrt(2 * pull) * self.rng.gauss(0, 1)
-        return kept + 1, ms
+def settled_goodput(sim: Simulation, keeps: dict[str, float], last: int = 30) -> float:
+    """The expected goodput of the median k and steps each sequence chose in the last rounds,
+    as a share of the best uniform choice."""
+    ks = [round(statistics.median(sim.ks(s, last))) for s in keeps]
+    steps = round(statistics.median(r[s][2] for r in sim.history[-last:] for s in keeps))
+    got = expected_goodput(sim.hardware, list(keeps.values()), ks, steps)
+    best = max(best_uniform(sim.hardware, keep, len(keeps))[2] for keep in set(keeps.values())) \
+        if len(set(keeps.values())) == 1 else _best_mixed(sim, keeps)
+    return got / best
 
 
-def compute_bound(**kw) -> SimulatedCluster:
-    """Fitted to the default cluster on this 2-core CPU (docs/BENCHMARKS.md): the target alone
-    about 75 tok/s at 1 client, 300 at 8, 420 at 32; k = 4 about 95 at 1 client."""
-    return SimulatedCluster(verify_fixed_ms=8.0, verify_per_position_ms=2.0, draft_fixed_ms=2.0,
-                            draft_per_row_ms=0.2, keep=0.75, coordination_ms=3.0, **kw)
+def _best_mixed(sim: Simulation, keeps: dict[str, float]) -> float:
+    """Best goodput where each sequence may take its own k (a coarse search: one k for each
+    distinct keep chance)."""
+    groups = sorted(set(keeps.values()))
+    best = 0.0
+    for ks in _product([range(9)] * len(groups)):
+        chosen = dict(zip(groups, ks))
+        for steps in (1, 2, 3, 4):
+            best = max(best, expected_goodput(sim.hardware, list(keeps.values()),
+                                              [chosen[keep] for keep in keeps.values()], steps))
+    return best
 
 
-def memory_bound(**kw) -> SimulatedCluster:
-    """A large target on a GPU: a verify of k + 1 positions costs about one decode step."""
-    return SimulatedCluster(verify_fixed_ms=25.0, verify_per_position_ms=0.02, draft_fixed_ms=1.5,
-                            draft_per_row_ms=0.01, keep=0.85, **kw)
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for first in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (first, *rest)
 
 
-def drive(control: KController, cluster: SimulatedCluster, load: int, seconds: float) -> list[Arm]:
-    """Rounds as a router reports them, for `seconds` of the cluster's clock; the arm of each."""
-    arms, end = [], cluster.clock + seconds
-    while cluster.clock < end:
-        level = control.note_load(load)
-        arm = control.choose(level, cap=64)
-        tokens, ms = cluster.round(arm, load)
-        control.observe(level, arm.k, tokens - 1, ms, 0.0, load, adaptive=True, whole=True, now=cluster.clock)
-        arms.append(arm)
-    return arms
+def simulation(hardware, rows: int, keep: float, seed: int = 0, **kw) -> Simulation:
+    return Simulation(hardware, [SimSequence(f"s{i}", keep, **kw) for i in range(rows)], seed=seed)
 
 
-def realised(cluster: SimulatedCluster, arms: list[Arm], load: int) -> float:
-    """Throughput of a run of rounds (each arm's expected tokens over its expected time)."""
-    tokens = sum(cluster.expected_tokens(arm.k) for arm in arms)
-    ms = sum(cluster.mean_ms(arm, load) for arm in arms)
-    return tokens / ms * load * 1000
-
-
-def controller(overlap: bool | str = False, start_k: int = 4) -> KController:
-    return KController(min_k=0, max_k=8, start_k=start_k, overlap=overlap)
+@pytest.mark.parametrize("kind", ["compute_bound", "memory_bound"])
+@pytest.mark.parametrize("rows", [1, 8, 32])
+@pytest.mark.parametrize("keep", [0.3, 0.9])
+def test_it_settles_near_the_best_k_and_steps_within_50_rounds(kind, rows, keep):
+    sim = simulation(compute_bound() if kind == "compute_bound" else memory_bound(), rows, keep, seed=rows)
+    sim.run(SETTLE + 30)
+    share = settled_goodput(sim, {f"s{i}": keep for i in range(rows)})
+    best_k, best_steps, _ = best_uniform(sim.hardware, keep, rows)
+    assert share >= NEAR, (share, best_k, best_steps, sim.controller.describe()["plan"])
 
 
 def test_the_simulated_clusters_differ_as_their_hardware_does():
-    arms = ladder(0, 8, 4, overlap_auto=False)
-    assert compute_bound().best(arms, 16).k == 0            # verifying positions costs: no speculation
-    assert compute_bound().best(arms, 1).k in (2, 4)        # one sequence: a little
-    assert memory_bound().best(arms, 1).k == 8              # a verify costs one step: as far as allowed
-    assert memory_bound().best(arms, 16).k == 8
+    # the premise of the tests above: a good draft pays far on a GPU, and nothing pays on a
+    # loaded CPU with a poor one (the target alone, several steps a call)
+    assert best_uniform(memory_bound(), 0.9, 32)[0] == 8
+    assert best_uniform(compute_bound(), 0.3, 32)[:2] == (0, 4)
+    assert best_uniform(compute_bound(), 0.9, 1)[0] >= 4
 
 
-@pytest.mark.parametrize("drift", [0.0, 0.1], ids=["steady", "drifting"])
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("kind,load", [("compute", 1), ("compute", 8), ("compute", 32), ("memory", 1),
-                                       ("memory", 16)])
-def test_it_settles_near_the_best_arm_within_a_bounded_number_of_rounds(kind, load, seed, drift):
-    cluster = (compute_bound if kind == "compute" else memory_bound)(seed=seed, drift=drift)
-    control = controller()
-    arms = drive(control, cluster, load, 60.0)
-    climb = control.levels[level_of(load)]
-    best = cluster.best(control.arms, load)
-    late = realised(cluster, arms[len(arms) // 2:], load)    # the last 30 s, rechecks included
-    alone = cluster.throughput(Arm(0), load)
-    if drift:
-        # The machine's speed wanders by 10 % over seconds: more windows to tell arms apart,
-        # and differences under about 15 % stay unresolved; even from a cold start at k = 4 it
-        # stays within 7 % of the target alone.
-        assert climb.settled_after is not None and climb.settled_after <= 2 * len(arms) / 3   # 40 s
-        assert late >= max(0.85 * cluster.throughput(best, load), 0.93 * alone)
-        return
-    assert climb.settled_after is not None and climb.settled_after <= len(arms) / 2           # 30 s
-    if kind == "compute" and load > 1:
-        assert climb.incumbent.k <= 1        # verifying positions costs what decoding them does
-    if kind == "memory":
-        assert climb.incumbent.k >= 6        # a verify costs one step: draft far
-    # within 6 %: the difference one-second windows of rounds with 20 % noise tell apart;
-    # what the rounds got, the rechecks' trials included, within 8 %
-    assert cluster.throughput(climb.incumbent, load) >= 0.94 * cluster.throughput(best, load)
-    assert late >= 0.92 * cluster.throughput(best, load)
+def test_the_target_alone_with_several_steps_a_call_where_drafts_do_not_pay():
+    sim = simulation(compute_bound(), 16, 0.3)
+    sim.run(SETTLE + 30)
+    last = sim.history[-30:]
+    assert statistics.mean(r[s][1] for r in last for s in r) < 0.3     # k 0, bar exploration
+    assert statistics.median(r["s0"][2] for r in last) == 4            # and pools.target.decode_steps a call
 
 
-def test_arms_within_noise_of_each_other_do_not_flap():
-    flat = SimulatedCluster(verify_fixed_ms=20.0, verify_per_position_ms=0.0, draft_fixed_ms=0.0,
-                            draft_per_row_ms=0.0, keep=0.0, coordination_ms=0.0, seed=3)
-    # keep 0: every arm yields one token a round at the same cost: all equal
-    control = controller()
-    drive(control, flat, 8, 300.0)
-    climb = control.levels[level_of(8)]
-    assert climb.incumbent == Arm(0)         # a tie with the target alone goes to it
-    changes, climbs = climb.changes, climb.climbs
-    drive(control, flat, 8, 300.0)
-    assert climb.climbs - climbs >= 4        # rechecked now and then...
-    assert climb.changes == changes          # ...without moving between equals
+@pytest.mark.parametrize("kind", ["compute_bound", "memory_bound"])
+def test_a_change_of_acceptance_mid_run_moves_the_choice_within_50_rounds(kind):
+    hardware = compute_bound() if kind == "compute_bound" else memory_bound()
+    rows = 4 if kind == "compute_bound" else 16
+    sim = simulation(hardware, rows, 0.95)
+    sim.run(80)
+    high = statistics.mean(sim.ks("s0", 20))
+    assert high >= 4 and settled_goodput(sim, {f"s{i}": 0.95 for i in range(rows)}, last=20) >= NEAR
+    for seq in sim.sequences:
+        seq.keep = 0.1
+    sim.run(SETTLE)
+    low = statistics.mean(k for s in range(rows) for k in sim.ks(f"s{s}", 15))
+    assert low <= 2 and settled_goodput(sim, {f"s{i}": 0.1 for i in range(rows)}, last=15) >= NEAR_AFTER_CHANGE
+    for seq in sim.sequences:             # and back: drafting again, found by exploration and fading evidence
+        seq.keep = 0.95
+    sim.run(SETTLE * 2)
+    assert settled_goodput(sim, {f"s{i}": 0.95 for i in range(rows)}, last=20) >= NEAR_AFTER_CHANGE
 
 
-def test_a_load_change_mid_run_moves_the_choice_and_coming_back_remembers_it():
-    cluster = compute_bound(seed=11)
-    control = controller()
-    drive(control, cluster, 1, 60.0)
-    light = control.levels[level_of(1)].incumbent
-    assert light.k >= 1
-    drive(control, cluster, 16, 60.0)
-    assert control.levels[level_of(16)].incumbent.k == 0
-    back = drive(control, cluster, 1, 20.0)
-    assert back[len(back) // 5:].count(light) >= 0.85 * len(back[len(back) // 5:])   # its own best again
+def test_a_sequence_whose_drafts_fail_stops_drafting_without_its_neighbours():
+    # memory-bound, 8 sequences: seven keep almost every draft, one almost none
+    keeps = {f"s{i}": 0.95 for i in range(7)} | {"bad": 0.05}
+    sim = Simulation(memory_bound(), [SimSequence(s, keep) for s, keep in keeps.items()], seed=3)
+    sim.run(SETTLE)
+    assert statistics.mean(sim.ks("bad", 20)) <= 2
+    assert min(statistics.mean(sim.ks(f"s{i}", 20)) for i in range(7)) >= 6
+    assert settled_goodput(sim, keeps, last=20) >= NEAR
 
 
-def test_a_level_met_first_starts_a_step_below_the_lighter_level_known():
-    control = controller()
-    drive(control, memory_bound(seed=2), 1, 60.0)
-    light = control.levels[level_of(1)]
-    assert light.incumbent.k >= 6
-    below = light._step(light.incumbent, -1)
-    assert control.climb(level_of(3)).incumbent == below
-    assert control.climb(level_of(2)).incumbent == below       # level 3-5 measured nothing: from level 1 still
+def test_a_load_change_settles_within_50_rounds_and_the_controller_says_so():
+    hardware = compute_bound()
+    sim = simulation(hardware, 1, 0.9)
+    sim.run(60)
+    one = statistics.mean(sim.ks("s0", 20))
+    sim.set_sequences([SimSequence(f"m{i}", 0.9) for i in range(32)])
+    sim.run(60)
+    many = statistics.mean(k for i in range(32) for k in sim.ks(f"m{i}", 20))
+    assert one > many    # each draft costs more of a fuller batch's time: fewer of them
+    settling = sim.controller.describe()["settling"]
+    assert settling["load_changes"] >= 2 and not settling["settling_now"]
+    assert all(rounds <= SETTLE for rounds in settling["rounds_to_settle"]), settling
 
 
-def test_a_change_of_acceptance_at_a_settled_level_starts_a_new_climb():
-    cluster = memory_bound(seed=4)
-    control = controller()
-    drive(control, cluster, 1, 60.0)
-    assert control.levels[level_of(1)].incumbent.k >= 6
-    cluster.keep = 0.02                      # the traffic changed: drafts are no longer kept
-    drive(control, cluster, 1, 60.0)
-    assert control.levels[level_of(1)].incumbent.k <= 1
-
-
-def test_overlap_is_one_more_neighbour_when_auto():
-    # lookaheads hide most of the draft time: with overlap auto the climb takes it
-    cluster = SimulatedCluster(verify_fixed_ms=8.0, verify_per_position_ms=1.0, draft_fixed_ms=4.0,
-                               draft_per_row_ms=0.0, keep=0.8, overlap_saves=0.8, seed=6)
-    control = controller(overlap="auto")
-    arms = drive(control, cluster, 1, 60.0)
-    assert control.levels[level_of(1)].incumbent.overlap
-    assert any(not arm.overlap for arm in arms) and any(arm.overlap for arm in arms)
-    fixed = controller(overlap=False)
-    assert not any(arm.overlap for arm in drive(fixed, cluster, 1, 30.0))
-
-
-def test_a_pause_keeps_the_duel_under_way_and_skips_the_first_rounds_back():
-    """A closed loop that comes and goes (the bench's phases) must still finish its duels:
-    windows from before the gap are compared with windows after it."""
-    control = controller()
-    cluster = compute_bound(seed=8)
-    drive(control, cluster, 1, 1.5)          # the incumbent's first window, the challenger's begun
-    climb = control.levels[level_of(1)]
-    challenger = climb.running
-    assert challenger != climb.incumbent
-    windows = len(climb.windows)
-    cluster.clock += 30.0                    # the level sees nothing for a while
-    drive(control, cluster, 1, 0.01)
-    assert climb.running == challenger and climb._skip > 0     # the same duel, its window begun afresh
-    drive(control, cluster, 1, 3.0)
-    assert len(climb.windows) > windows and climb.windows[windows]["arm"] == challenger.name
-    assert climb.windows[windows]["span_s"] < 3.5              # the 30 s gap counted in no window
-
-
-def test_a_window_is_wall_time_between_rounds_included():
-    """Tokens per second of wall time: time a round's own ms does not cover (between rounds,
-    queueing for a prefill) counts, so an arm is not credited with its fast rounds only."""
-    climb = LevelClimb(ladder(0, 8, 0, overlap_auto=False), Arm(0), KController(0, 8, 0).keep)
-    now = 0.0
-    for _ in range(200):
-        now += 0.020                          # a round every 20 ms of which it reports 10
-        climb.observe(0, True, 1, 10.0, True, 1, now)
-    assert climb.windows and all(w["tokens_per_s"] == pytest.approx(50.0, rel=0.01) for w in climb.windows)
-    assert all(w["round_ms"] == pytest.approx(10.0) for w in climb.windows)
-
-
-def test_leaving_a_level_drops_its_window_under_way():
-    control = controller(start_k=0)
-    level = control.note_load(8)
-    for i in range(20):
-        control.observe(level, 0, 0, 10.0, 0.0, 8, adaptive=True, whole=True, now=0.01 * i)
-    climb = control.levels[level]
-    assert climb._window.rounds > 0
-    assert control.note_load(1) != level      # a lighter load: another level
-    assert climb._window.rounds == 0 and climb._skip == 2 * 1
-    control.note_load(8)
-    assert climb._window.rounds == 0 and climb._skip == 2 * 8   # back: its first rounds are not measured
+def test_lookup_offers_bound_k_and_are_free_of_a_draft_call():
+    sim = simulation(compute_bound(), 4, 0.95, method="ngram", lookup_len=3)
+    sim.run(60)
+    ks = [r[s] for r in sim.history for s in r]
+    assert max(k for _, k, _ in ks) <= 3                     # never more than the lookup found
+    assert {source for source, k, _ in ks if k} == {"ngram"}
+    assert sim.controller.describe()["plan"]["draft_call"] is False
 
 
 def test_the_k_a_round_gets_is_bounded_whatever_the_state():
-    control = KController(min_k=1, max_k=5, start_k=3)
-    level = control.note_load(1)
-    climb = control.climb(level)
-    climb.incumbent = Arm(40, True)           # a state out of bounds (and an overlap not allowed)
-    climb._duel = None
-    assert control.choose(level, cap=64) == Arm(5, False)
-    assert control.choose(level, cap=2) == Arm(2, False)
-    climb.incumbent = Arm(0)
-    assert control.choose(level, cap=64) == Arm(1, False)
-    assert control.choose(level, cap=0).k == 0    # the last token: no room for a draft
+    control = GoodputController(max_k=8, min_k=0, max_steps=4)
+    control.begin("a")
+    for cap in range(0, 12):
+        for offer in (Offer(pool=True), Offer((1, 2, 3), "suffix", 2), Offer((1, 2, 3), "ngram", 1, pool=True), Offer()):
+            choice = control.choose("a", offer, 100, cap)
+            assert 0 <= choice.k <= min(8, cap)
+            assert 1 <= choice.steps <= max(1, min(4, cap + 1 - choice.k))
+            assert choice.k == 0 or choice.source in (POOL, "suffix", "ngram")
+            if choice.source != POOL and choice.k:
+                assert choice.k <= len(offer.lookup)
+            if not offer.pool:
+                assert choice.source != POOL
+    assert control.steps(3, 2) == 1 and control.steps(0, 10) == 4
 
 
-def test_load_levels_keep_powers_of_two_inside():
-    assert [level_name(level_of(n)) for n in (1, 2, 3, 5, 6, 7, 8, 11, 12, 16, 23, 24, 64)] == [
-        "1", "2", "3-5", "3-5", "6-11", "6-11", "6-11", "6-11", "12-23", "12-23", "12-23", "24+", "24+"]
+def test_min_k_holds_where_drafts_are_offered():
+    control = GoodputController(max_k=8, min_k=2, max_steps=4)
+    control.begin("a")
+    for _ in range(50):       # nothing is ever kept: the choice alone would take k = 0
+        choice = control.choose("a", Offer(pool=True), 100, 50)
+        control.observe_round("a", POOL, choice.k, 0)
+        assert choice.k >= 2
+    assert control.choose("a", Offer(), 100, 50).k == 0       # nothing offered: none
 
 
-def test_a_measure_is_tokens_per_wall_second_with_e_k_for_whole_rounds():
-    keep = KController(0, 8, 4).keep
-    for _ in range(2000):
-        keep.observe(4, 1)                    # the first draft always kept, the second never
-    window = Measure()
-    for _ in range(100):
-        window.add(4, True, 5, 10.0, True)    # E(4) = 2 tokens a round, whatever each yielded
-    window.add(4, False, 3, 10.0, True)       # cut short by the request's end: its own 3
-    window.add(0, True, 4, 10.0, True)        # no drafts, a call of 4 single-token steps: its own 4
-    window.seconds = 0.5
-    assert window.tokens_per_s(keep) == pytest.approx((100 * 2 + 3 + 4) / 0.5, rel=0.01)
-    assert window.round_ms() == pytest.approx(10.0)
-    assert (window + window).tokens_per_s(keep) == pytest.approx(window.tokens_per_s(keep))
-    assert window.scaled(0.5).tokens_per_s(keep) == pytest.approx(window.tokens_per_s(keep))
-
-
-def test_fixed_k_rounds_move_no_climb():
-    """Windows of mostly fixed-k requests' rounds measure those requests, not the level's arm."""
-    control = controller()
-    cluster = compute_bound(seed=1)
-    level = control.note_load(1)
-    for i in range(2000):
-        tokens, ms = cluster.round(Arm(2), 1)
-        control.observe(level, 2, tokens - 1, ms, 0.0, 1, adaptive=i % 3 == 0, whole=True, now=cluster.clock)
-    climb = control.climb(level)
-    assert climb.rounds > 600 and climb.incumbent == Arm(4)
-    assert not climb.table and not climb.windows and climb.running == Arm(4)
-
-
-def test_another_kinds_rounds_move_neither_its_climb_nor_its_keep_chances():
-    """A router keeps one choice for the draft pool's drafts and one for lookup drafts: the
-    rounds of one kind share the machine with the other's choice but teach it nothing."""
-    control = controller()
-    cluster = compute_bound(seed=2)
-    before = control.keep.chances()
-    level = control.note_load(1)
-    for _ in range(2000):
-        tokens, ms = cluster.round(Arm(2), 1)
-        control.observe(level, 2, 2, ms, 0.0, 1, adaptive=True, whole=True, now=cluster.clock, mine=False)
-    climb = control.climb(level)
-    assert control.keep.chances() == before
-    assert climb.rounds == 0 and not climb.table and climb.incumbent == Arm(4)
-
-
-def test_a_target_alone_that_runs_several_steps_a_call_is_chosen_where_it_is_faster():
-    """k = 0 rounds of 4 single-token steps (pools.target.decode_steps) yield 4 tokens for
-    little more than a step's time: the choice must count them as 4, not as E(0) = 1."""
-    control = controller(start_k=2)
-    cluster = compute_bound(seed=3)
-    level = control.note_load(8)
-    for _ in range(40000):
-        arm = control.choose(level, cap=64)
-        if arm.k == 0:      # a call of 4 steps: 4 tokens, about 1.6 steps' time at 8 rows
-            ms = cluster.mean_ms(Arm(0), 8) * 1.6 * math.exp(cluster.rng.gauss(0, 0.2))
-            cluster.clock += ms / 8 / 1000
-            tokens = 4
-        else:
-            tokens, ms = cluster.round(arm, 8)
-        control.observe(level, arm.k, tokens - 1, ms, 0.0, 8, adaptive=True, whole=True, now=cluster.clock,
-                        tokens=tokens)
-    assert control.climb(level).incumbent == Arm(0)
-
-
-@dataclass
-class HybridCluster(SimulatedCluster):
-    """Hybrid rounds: with the draft pool taking part, drafts kept with `keep` at the pool's
-    cost; lookup drafts alone cost no draft time and are kept with `lookup_keep`."""
-    lookup_keep: float = 0.5
-
-    def mean_ms(self, arm: Arm, load: int) -> float:
-        return super().mean_ms(Arm(0 if arm.lookup else arm.k), load) + (
-            self.verify_per_position_ms * load * arm.k if arm.lookup else 0.0)
-
-    def expected_tokens(self, k: int, lookup: bool = False) -> float:
-        keep = self.lookup_keep if lookup else self.keep
-        return sum(keep ** i for i in range(k + 1))
-
-    def round(self, arm: Arm, load: int) -> tuple[int, float]:
-        pool_keep = self.keep
-        self.keep = self.lookup_keep if arm.lookup else pool_keep
-        try:
-            return super().round(arm, load)
-        finally:
-            self.keep = pool_keep
-
-
-@pytest.mark.parametrize("lookup_keep, pool_keep, expect_lookup", [(0.8, 0.82, True), (0.2, 0.9, False)])
-def test_hybrid_takes_lookup_alone_where_it_measures_faster_and_the_pool_where_it_does(
-        lookup_keep, pool_keep, expect_lookup):
-    """At 8 sequences, lookup drafts kept about as often as the pool's win by the draft time
-    they save; kept far less often, the pool's drafts are worth their cost."""
-    cluster = HybridCluster(verify_fixed_ms=8.0, verify_per_position_ms=0.5, draft_fixed_ms=3.0,
-                            draft_per_row_ms=0.3, keep=pool_keep, lookup_keep=lookup_keep, seed=11)
-    control = KController(min_k=0, max_k=8, start_k=4, hybrid=True)
-    assert Arm(4, False, True) in control.arms and Arm(0, False, True) not in control.arms
-    arms = drive(control, cluster, 8, 240.0)
-    incumbent = control.levels[level_of(8)].incumbent
-    assert incumbent.lookup == expect_lookup and incumbent.k > 0, control.describe()
-    assert any(arm.lookup for arm in arms) and any(not arm.lookup for arm in arms)
-    plain = KController(min_k=0, max_k=8, start_k=4)
-    assert not any(arm.lookup for arm in plain.arms)
+def test_a_batch_is_counted_once_however_many_rows_report_it():
+    control = GoodputController(max_k=8)
+    for _ in range(5):
+        control.observe_passes("target", "batch-1", [(8, 8, 0.5, 10.0)])
+    assert control.costs.target.passes == 1

@@ -187,31 +187,22 @@ def test_the_draft_pool_serves_exactly_the_lookaheads_the_router_sent(apps):
     assert off["lookaheads"] == 0 and served() == before + on["lookaheads"]
 
 
-def test_auto_overlap_runs_both_modes_and_stays_exact(ray_serve, zoo, greedy_reference):
-    """With overlap: auto, overlap is one more neighbour of the measured choice's climb
-    (router/k_control.py): with k pinned to 3, the router's first climb is a duel of rounds
-    without lookaheads against rounds with them; every output is the target's."""
-    from ray import serve
-
+def test_auto_overlap_drafts_ahead_where_windows_hold_and_stays_exact(ray_serve, zoo, greedy_reference):
+    """With overlap: auto, a round drafts ahead where the controller expects the draft call
+    it saves to pay (router/k_control.py): with a draft that copies the target every window
+    and guess holds, so it does; every output is the target's."""
     from tests.conftest import cluster_config, deploy
 
     config = cluster_config(zoo.target, zoo.drafts["copy"], speculation={"overlap": "auto", "k": 3, "min_k": 3,
                                                                           "max_k": 3})
     url = deploy(ray_serve, "auto-overlap", config)
     try:
-        router = serve.get_deployment_handle("router", app_name="auto-overlap")
-        sent, measured = [], {}
-        # A window is a second of wall time and 32 rounds: requests until the duel's second
-        # arm has one (a faster machine needs more of them), at most 80.
-        for i in range(80):
-            prompt = PROMPTS[i % len(PROMPTS)]
+        sent = []
+        for prompt in PROMPTS[:6]:
             out = complete(url, prompt, max_tokens=48)
             assert out["choices"][0]["token_ids"] == greedy_reference(prompt, 48)
             sent.append(out["speculation"]["lookaheads"])
-            measured = router.describe.remote().result()["adaptive"]["levels"]["1"]["tokens_per_s"]
-            if len(measured) == 2 and i >= 15:
-                break
-        assert set(measured) == {"k=3", "k=3 overlap"}
-        assert sent[0] == 0 and max(sent) > 0      # requests ran in both modes
+        assert max(sent) > 0
     finally:
+        from ray import serve
         serve.delete("auto-overlap")

@@ -43,7 +43,7 @@ def test_the_vllm_engine_without_a_draft_model_drafts_by_its_own_lookup(zoo):
 
 @pytest.fixture(scope="module")
 def lookup_only(ray_serve, zoo):
-    url = deploy(ray_serve, "lookup-only", cluster_config(zoo.target, None, speculation={"adaptive_lookup": True}))
+    url = deploy(ray_serve, "lookup-only", cluster_config(zoo.target, None))
     yield url
     serve.delete("lookup-only")
 
@@ -63,19 +63,18 @@ def test_a_cluster_without_a_draft_pool_serves_the_targets_greedy_output(lookup_
     assert min(drafted.values()) > 0
 
 
-def test_lookup_requests_follow_lookups_own_measured_choice_of_k(lookup_only, greedy_reference):
-    """A request that fixes no k gets it from the router's measured choice for lookup drafts
-    (router/k_control.py), not from the draft pool's: exact whatever it chooses."""
+def test_lookup_requests_follow_the_controllers_choice_of_k(lookup_only, greedy_reference):
+    """A request that fixes no k gets it from the router's goodput controller
+    (router/k_control.py), priced on lookup's own keep chances: exact whatever it chooses."""
     rounds = 0
     for prompt in PROMPTS[:2]:
         got = complete(lookup_only, prompt, max_tokens=24)
         assert got["choices"][0]["token_ids"] == greedy_reference(prompt, 24)
         rounds += got["speculation"]["rounds"]
-    state = serve.get_deployment_handle("router", app_name="lookup-only").describe.remote().result()
-    counted = {key: sum(level["rounds"] for level in choice["levels"].values())
-               for key, choice in (("ngram", state["adaptive_lookup"]["ngram"]), ("suffix", state["adaptive_lookup"]["suffix"]),
-                                   ("draft_model", state["adaptive"]))}
-    assert counted["ngram"] >= rounds and counted["draft_model"] == counted["suffix"] == 0
+    state = serve.get_deployment_handle("router", app_name="lookup-only").describe.remote().result()["adaptive"]
+    assert sum(state["k_by_method"]["ngram"].values()) >= rounds
+    assert "draft_model" not in state["k_by_method"] and not state["plan"]["draft_call"]
+    assert any(key.startswith("ngram/") for key in state["keep_chances"])
 
 
 def test_a_cluster_without_a_draft_pool_refuses_the_draft_pools_methods(lookup_only):

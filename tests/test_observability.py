@@ -25,7 +25,7 @@ from tests.http_client import complete
 DASHBOARD = Path(__file__).parent.parent / "k8s" / "grafana-dashboard.json"
 SPECSERVE = Path(sys.executable).parent / "specserve"
 EXPECTED = ("ray_specserve_cache_evictions_total", "ray_specserve_queue_depth", "ray_specserve_cached_tokens",
-            "ray_specserve_router_requests", "ray_specserve_adaptive_k", "ray_specserve_batch_size_count")
+            "ray_specserve_router_requests", "ray_specserve_adaptive_k_share", "ray_specserve_batch_size_count")
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -66,14 +66,13 @@ def exported(apps, ray_serve, zoo):
             # the counters are the session's (earlier tests' traffic too): wait for this traffic's gauges
             if all(name in series for name in EXPECTED) and (
                     total(series, "ray_specserve_requests_total", 'status="404"') >= 1
-                    and total(series, "ray_specserve_cache_rebuilds_total") >= 1
+                    and total(series, "ray_specserve_cache_rebuilds_total", 'pool="target"') >= 1
+                    and total(series, "ray_specserve_cache_evictions_total", 'deployment="target"') >= 1
                     and total(series, "ray_specserve_generated_tokens_total") >= 64
-                    and total(series, "ray_specserve_adaptive_goodput_tokens_per_s", 'level="1"') > 0
+                    and total(series, "ray_specserve_adaptive_goodput_tokens_per_s") > 0
+                    and "ray_specserve_adaptive_round_ms" in series
             ) or time.monotonic() > deadline:
                 return series
-            if not total(series, "ray_specserve_adaptive_goodput_tokens_per_s", 'level="1"'):
-                # a measured window takes a second and 32 rounds of mostly adaptive ones: more of them
-                complete(url, PROMPTS[0], max_tokens=32)
             time.sleep(1)
     finally:
         serve.delete("forgetful")
@@ -99,9 +98,12 @@ def test_the_named_series_are_served_with_plausible_values(exported):
         assert any(f'deployment="{pool}"' in labels for labels, _ in s["ray_specserve_queue_depth"]), pool
         assert any(f'deployment="{pool}"' in labels for labels, _ in s["ray_specserve_cached_tokens"]), pool
     assert "ray_specserve_router_requests" in s
-    assert any('level="current"' in labels for labels, _ in s["ray_specserve_adaptive_k"])
-    # the measured choice's table: the arm its adaptive windows ran, at load level 1
-    assert any('level="1"' in labels and value > 0 for labels, value in s["ray_specserve_adaptive_goodput_tokens_per_s"])
+    # the goodput controller's view: k by method, its plan's goodput, round time predicted and measured
+    assert any('method="draft_model"' in labels and 0 < value <= 1 for labels, value in s["ray_specserve_adaptive_k_share"])
+    assert total(s, "ray_specserve_adaptive_goodput_tokens_per_s") > 0
+    assert {kind for kind in ("predicted", "measured")
+            if any(f'kind="{kind}"' in labels for labels, _ in s["ray_specserve_adaptive_round_ms"])} == {"predicted", "measured"}
+    assert any('model="target_pass"' in labels for labels, _ in s["ray_specserve_adaptive_model_error"])
     assert total(s, "ray_specserve_cache_rebuilds_total", 'pool="target"') >= 1
     assert total(s, "ray_specserve_cache_evictions_total", 'deployment="target"') >= 1
     for labels, _ in s["ray_specserve_requests_total"]:
@@ -130,7 +132,7 @@ def test_status_names_every_pool_with_its_replica_count(apps):
         [line] = [line for line in out.splitlines() if line.strip().startswith(pool)]
         assert "HEALTHY" in line and "replicas 1/1" in line, line
     assert "tokens/s" in out and "acceptance" in out, out
-    assert "adaptive router 1:" in out and "in flight:" in out, out        # the measured choice per load level
+    assert "adaptive router 1:" in out and "in flight:" in out and "round ms predicted" in out, out   # the controller
     missing = subprocess.run([str(SPECSERVE), "status", "--app", "no-such-app"], capture_output=True,
                              text=True, timeout=120, env=env)
     assert missing.returncode == 1 and "no Serve application named 'no-such-app'" in missing.stdout

@@ -3,7 +3,14 @@
 Closed loop: C clients, each sending its next request as soon as the last one finished.
 Open loop: requests arrive as a Poisson process at a fixed rate, whatever the server's pace.
 Every request streams, so time to first token and the gaps between chunks are seen as a
-client sees them.
+client sees them, and sets `ignore_eos` (vLLM's OpenAI servers accept it too), so that every
+request yields exactly max_tokens tokens whatever the model writes and every mode of a phase
+does the same work. A workload samples greedily (temperature 0) or by the SAMPLING setting
+`sampled` (temperature 0.8, top_p 0.95).
+
+Its prompts are the bench's to choose (cluster/bench/run.py): `fresh`, each request a prompt
+never sent before (cluster/bench/prompts.py), or `repeated`, the same held-out prompts of the
+training corpus for every mode.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ class RequestResult:
     chunk_gaps_s: list[float] = field(default_factory=list)   # between token-bearing chunks
     output_tokens: int = 0
     speculation: dict = field(default_factory=dict)
+    prompt: list[int] = field(default_factory=list)             # what was sent
 
 
 @dataclass
@@ -34,13 +42,18 @@ class PhaseResult:
     requests: list[RequestResult]
 
 
+# The request fields of each sampling setting (`specserve bench --sampling`).
+SAMPLING = {"greedy": {"temperature": 0}, "sampled": {"temperature": 0.8, "top_p": 0.95}}
+
+
 @dataclass(frozen=True)
 class Workload:
     url: str                    # the server's base URL (without /v1)
     model: str                  # the model id it serves
-    prompts: list[list[int]]    # token ids, used in turn
+    prompts: list[list[int]]    # token ids, used in turn (a load sends as many requests as it has, by default)
     max_tokens: int
     speculation: dict | None    # the request's `speculation` extension, e.g. {"enabled": False}; None: not sent
+    sampling: str = "greedy"    # a key of SAMPLING
 
     def prompt(self, i: int) -> list[int]:
         return self.prompts[i % len(self.prompts)]
@@ -48,11 +61,11 @@ class Workload:
 
 async def one_request(client: httpx.AsyncClient, work: Workload, prompt: list[int]) -> RequestResult:
     url, model, max_tokens, speculation = work.url, work.model, work.max_tokens, work.speculation
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **SAMPLING[work.sampling],
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if speculation is not None:     # specserve's extension; another server (vLLM's) is sent none
         body["speculation"] = speculation
-    started, last, result = time.perf_counter(), None, RequestResult(ok=False)
+    started, last, result = time.perf_counter(), None, RequestResult(ok=False, prompt=list(prompt))
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -84,8 +97,9 @@ async def one_request(client: httpx.AsyncClient, work: Workload, prompt: list[in
     return result
 
 
-async def closed_loop(work: Workload, concurrency: int, num_requests: int) -> PhaseResult:
-    queue = [work.prompt(i) for i in range(num_requests)]
+async def closed_loop(work: Workload, concurrency: int, num_requests: int | None = None) -> PhaseResult:
+    """`num_requests` (default: one per prompt of the workload) from `concurrency` clients."""
+    queue = [work.prompt(i) for i in range(len(work.prompts) if num_requests is None else num_requests)]
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -99,7 +113,9 @@ async def closed_loop(work: Workload, concurrency: int, num_requests: int) -> Ph
         return PhaseResult(time.perf_counter() - started, results)
 
 
-async def open_loop(work: Workload, rate: float, num_requests: int, seed: int = 0) -> PhaseResult:
+async def open_loop(work: Workload, rate: float, num_requests: int | None = None, seed: int = 0) -> PhaseResult:
+    """`num_requests` (default: one per prompt of the workload) arriving at `rate` a second."""
+    num_requests = len(work.prompts) if num_requests is None else num_requests
     arrivals = random.Random(seed)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as client:
         tasks = []

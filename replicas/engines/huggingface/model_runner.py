@@ -135,7 +135,11 @@ class ModelRunner:
             if self.prefix_caching:
                 self._share_prefixes([calls[i] for i in wave])
             planned = [self._reusable(calls[i]) for i in wave]
-            for group in _padding_groups([len(calls[i].tokens) - p for i, p in zip(wave, planned)]):
+            # The fused forward skips padding (it computes real tokens only): one pass, not one
+            # per padding group, whose every pass reads all the weights again.
+            groups = [list(range(len(wave)))] if self.fused else \
+                _padding_groups([len(calls[i].tokens) - p for i, p in zip(wave, planned)])
+            for group in groups:
                 indices = [wave[g] for g in group]
                 for i, extension in zip(indices, self._run([calls[i] for i in indices])):
                     results[i] = extension

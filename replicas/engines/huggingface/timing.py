@@ -1,4 +1,4 @@
-"""Timing a runner's forward pass on made-up sequences: the engine's cost profile and the
+"""Timing a runner's forward pass on made-up sequences: the engine's start-up passes and the
 measured dtype choice both read it."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import time
 from replicas.engines.huggingface.model_runner import ExtendCall
 
 
-def forward_ms(runner, count: int, new: int, context: int, repeats: int) -> float:
-    """Median ms of one forward over `count` sequences computing `new` positions each on top
-    of `context` cached ones (the first call, computing the contexts, is not timed)."""
+def forward_ms(runner, count: int, new: int, context: int, repeats: int, fastest: bool = False) -> float:
+    """Median (or, with `fastest`, least) ms of one forward over `count` sequences computing
+    `new` positions each on top of `context` cached ones (the first call, computing the
+    contexts, is not timed)."""
     vocab = runner.vocab_size
     calls = [ExtendCall(f"_profile-{count}-{new}-{i}",
                         [(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(context + new)], new)
@@ -23,4 +24,20 @@ def forward_ms(runner, count: int, new: int, context: int, repeats: int) -> floa
         times.append((time.perf_counter() - started) * 1000)
     for call in calls:
         runner.release(call.seq_id)
-    return sorted(times)[len(times) // 2]
+    return min(times) if fastest else sorted(times)[len(times) // 2]
+
+
+# (rows, new positions each, cached context): enough to tell a pass's fixed cost from its cost
+# per row and per position; small enough that a large model's start does not wait on them
+# (a 1 B model computes about 7 positions a second on one core here): router/cost_model.py
+# learns the rest, the attention's cost among it, from every call.
+STARTUP_SHAPES = ((1, 1, 4), (1, 3, 4), (2, 1, 4), (2, 2, 4))
+
+
+def startup_passes(runner, shapes=STARTUP_SHAPES, repeats: int = 2) -> list[tuple[int, int, float, float]]:
+    """Each shape's fastest of `repeats` passes (a replica starting beside others meets their
+    load: the fastest is the least disturbed), as the engines report passes
+    (replicas/protocol.py PassRecord)."""
+    return [(rows, rows * new, rows * new * (context + new) / 1000,
+             forward_ms(runner, rows, new, context, repeats, fastest=True))
+            for rows, new, context in shapes]
