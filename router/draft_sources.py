@@ -31,12 +31,14 @@ class DraftSources:
     lookup: LookupOptions
     outputs: OutputCache | None          # finished outputs for suffix drafts, or None
 
-    def offer(self, method: str, tokens: list[int], limit: int, pool: bool) -> Offer:
+    def offer(self, method: str, tokens: list[int], limit: int, pool: bool,
+              may: Callable[[str], bool] = lambda source: True) -> Offer:
         """Sequence `tokens`' offer for a round of at most `limit` drafts; `pool`: the draft
-        pool is there and answering."""
+        pool is there and answering; `may(source)`: whether that source's drafts could pay
+        this round at all (router/k_control.py): a lookup that could not is not made."""
         if limit <= 0:
             return Offer()
-        return _OFFERS[method](self, tokens, limit, pool)
+        return _OFFERS[method](self, tokens, limit, pool, may)
 
     def fallback(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """Drafts for a round whose pool call failed or came late: prompt lookup, where the
@@ -44,33 +46,37 @@ class DraftSources:
         return lookup_match(tokens, k) if self.lookup.fallback else ([], 0)
 
 
-def _pool(sources: DraftSources, tokens: list[int], limit: int, pool: bool) -> Offer:
+def _pool(sources: DraftSources, tokens: list[int], limit: int, pool: bool, may) -> Offer:
     if pool:
         return Offer(pool=True)
-    drafts, match = sources.fallback(tokens, limit)
+    drafts, match = sources.fallback(tokens, limit) if may("ngram") else ([], 0)
     return Offer(tuple(drafts), "ngram" if drafts else None, match, fallback=True)
 
 
-def _ngram(sources: DraftSources, tokens: list[int], limit: int, pool: bool) -> Offer:
+def _ngram(sources: DraftSources, tokens: list[int], limit: int, pool: bool, may) -> Offer:
+    if not may("ngram"):
+        return Offer()
     drafts, match = lookup_match(tokens, limit)
     return Offer(tuple(drafts), "ngram", match)
 
 
-def _suffix(sources: DraftSources, tokens: list[int], limit: int, pool: bool) -> Offer:
+def _suffix(sources: DraftSources, tokens: list[int], limit: int, pool: bool, may) -> Offer:
+    if not may("suffix"):
+        return Offer()
     drafts, match = suffix_match(tokens, limit, sources.outputs)
     return Offer(tuple(drafts), "suffix", match)
 
 
-def _hybrid(sources: DraftSources, tokens: list[int], limit: int, pool: bool) -> Offer:
-    drafts, match = lookup_match(tokens, limit)
+def _hybrid(sources: DraftSources, tokens: list[int], limit: int, pool: bool, may) -> Offer:
+    drafts, match = lookup_match(tokens, limit) if may("ngram") else ([], 0)
     if match < sources.lookup.hybrid_min_ngram:
         drafts, match = [], 0
     if not pool and not drafts:
-        return _pool(sources, tokens, limit, pool)
+        return _pool(sources, tokens, limit, pool, may)
     return Offer(tuple(drafts), "ngram" if drafts else None, match, pool)
 
 
-_OFFERS: dict[str, Callable[[DraftSources, list[int], int, bool], Offer]] = {
+_OFFERS: dict[str, Callable[..., Offer]] = {
     "draft_model": _pool, "ngram": _ngram, "suffix": _suffix, "hybrid": _hybrid}
 METHODS = tuple(_OFFERS)
 

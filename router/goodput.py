@@ -126,6 +126,10 @@ class SequenceKeep:
         return [_bounded((self.kept[j] + _SEQUENCE_PRIOR_ROUNDS * h) / (self.looked[j] + _SEQUENCE_PRIOR_ROUNDS))
                 for j, h in enumerate(prior, start=1)]
 
+    def first_chance(self, prior: float) -> float:
+        """h_1 with `prior` as the pooled first chance."""
+        return _bounded((self.kept[1] + _SEQUENCE_PRIOR_ROUNDS * prior) / (self.looked[1] + _SEQUENCE_PRIOR_ROUNDS))
+
     def evidence(self) -> float:
         """Rounds' worth of its own evidence on the first draft."""
         return self.looked[1]

@@ -28,14 +28,15 @@ offer of that round (a lookup match it did not have at plan time is priced then)
 what makes it a batch decision: a draft must buy more tokens than the batch would make in
 the time its position costs.
 
-Exploration: every EXPLORE_EVERY-th plan (and three times sooner after a start), sequences that would verify no drafts draft two,
+Exploration: every EXPLORE_EVERY-th plan (and three times sooner after a start), a quarter
+of the sequences (another quarter each time) that would verify no drafts draft two,
 so acceptance that improved and costs that fell are seen again; a sequence's own evidence
 fades round by round (router/goodput.py), so one that stopped drafting is tried again when
 its source's pooled chances say it would pay.
 
 Settling: after a load change (the sequences in flight moved by more than a quarter), the
-plans until the choice (S, d, the rounded mean k) stays the same for SETTLED_PLANS plans in
-a row; describe() reports the last few.
+plans until the choice (S, d, the mean k within SETTLED_K_SPREAD) stays the same for
+SETTLED_PLANS plans in a row; describe() reports the last few.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ _MATCH_BUCKETS = 4              # lookup chances pooled by match length 1, 2, 3,
 EXPLORE_EVERY = 32
 _EARLY_EXPLORATION = (4, 8, 16)   # a fresh router's cost model has seen one shape: widen it soon
 _EXPLORE_K = 2
+_EXPLORE_SHARE = 4              # one sequence in this many explores on an exploration plan
 SETTLED_PLANS = 10
+SETTLED_K_SPREAD = 0.75
 _LOAD_CHANGE = 0.25
 _DINKELBACH_STEPS = 8
 _RECENT_ROUNDS = 256            # the k distribution describe() shows
@@ -87,14 +90,17 @@ class Plan:
     mean_k: float
     explore: bool = False
 
-    @property
-    def signature(self) -> tuple:
-        return self.steps, self.draft_call, round(self.mean_k)
+    def holds(self, earlier: "Plan | None") -> bool:
+        """The same choice as `earlier`, for settling: steps, draft call, and mean k within
+        SETTLED_K_SPREAD."""
+        return (earlier is not None and (self.steps, self.draft_call) == (earlier.steps, earlier.draft_call)
+                and abs(self.mean_k - earlier.mean_k) <= SETTLED_K_SPREAD)
 
 
 @dataclass
 class _Sequence:
     keep: dict[str, SequenceKeep]
+    index: int = 0                 # its order of arrival at this router
     context: int = 0
     offer: Offer = Offer()
     last_match: dict[str, int] = field(default_factory=dict)
@@ -119,6 +125,7 @@ class GoodputController:
         self._sequences: dict[str, _Sequence] = {}
         self._plan: Plan | None = None
         self._rounds_since_plan = 0
+        self._arrivals = 0
         self.plans = 0
         self._seen_batches: dict[str, deque[str]] = {"target": deque(maxlen=64), "draft": deque(maxlen=64)}
         self._recent: deque[tuple[str, int]] = deque(maxlen=_RECENT_ROUNDS)   # (method, k) of recent rounds
@@ -126,7 +133,7 @@ class GoodputController:
         self._load_at_change: int | None = None
         self._plans_since_change = 0
         self._stable_since: int | None = None
-        self._last_signature: tuple | None = None
+        self._stable_start: Plan | None = None     # the first plan of the run of plans holding the same choice
         self._stable_plans = 0
         self.load_changes = 0
         self.rounds_to_settle: deque[int] = deque(maxlen=8)
@@ -135,8 +142,9 @@ class GoodputController:
     # sequences ---------------------------------------------------------------------------
 
     def begin(self, seq_id: str) -> None:
-        self._sequences[seq_id] = _Sequence({source: SequenceKeep(self.max_k)
-                                             for source in (POOL, *LOOKUP_SOURCES)})
+        self._arrivals += 1
+        self._sequences[seq_id] = _Sequence({source: SequenceKeep(self.max_k) for source in (POOL, *LOOKUP_SOURCES)},
+                                            self._arrivals)
 
     def end(self, seq_id: str) -> None:
         self._sequences.pop(seq_id, None)
@@ -147,19 +155,43 @@ class GoodputController:
 
     # the choice ----------------------------------------------------------------------------
 
+    def may_draft(self, seq_id: str, source: str, context: int) -> bool:
+        """Whether any k > 0 from `source` could pay for seq_id this round: E(k) - 1 is at most
+        k h_1 (every later chance is at most 1), so where even its best first chance (over the
+        match lengths) buys fewer tokens than the batch makes in that draft's time, no k does,
+        and the offer (a lookup's work in the router) need not be made. A sequence exploring
+        this round always may."""
+        plan = self._current_plan()
+        seq = self._sequence(seq_id)
+        if self._explores(plan, seq) or self.min_k > 0:
+            return True
+        keep = seq.keep[source]
+        best = max((keep.first_chance(pooled.optimistic()[0]) for (each, _), pooled in self._pooled.items()
+                    if each == source), default=keep.first_chance(1.0))
+        return best > plan.rate * self._draft_ms(context, source == POOL)
+
     def choose(self, seq_id: str, offer: Offer, context: int, cap: int, method: str = "") -> Choice:
         """This round's drafts for seq_id: source, k (within `cap`, the drafts the request's
         end leaves room for) and the verify call's steps."""
         seq = self._sequence(seq_id)
         seq.context, seq.offer = context, offer
         plan = self._current_plan()
+        explores = self._explores(plan, seq)
+        if offer.pool and not offer.lookup and not explores and not self.may_draft(seq_id, POOL, context):
+            offer = seq.offer = Offer()       # a pool draft cannot pay: nothing to price
         best = max(self._options(seq, offer, plan.draft_call, cap),
                    key=lambda o: o.gain - plan.rate * o.cost)
-        if best.k < self.min_k or (plan.explore and best.k == 0):
+        if best.k < self.min_k or (explores and best.k == 0):
             best = self._forced(seq, offer, cap, max(self.min_k, _EXPLORE_K)) or best
         steps = max(1, min(plan.steps, cap + 1 - best.k))
         self._recent.append((method, best.k))
         return Choice(best.source, best.k, steps, plan.predicted_ms)
+
+    def _explores(self, plan: Plan, seq: _Sequence) -> bool:
+        """Whether seq explores this round: on an exploration plan, a quarter of the sequences
+        (in turn, by their place among the router's: each exploration plan another quarter),
+        so that one costs the batch a quarter of the positions it would if all explored."""
+        return plan.explore and (seq.index + self.plans // self.explore_every) % _EXPLORE_SHARE == 0
 
     def steps(self, k: int, cap: int) -> int:
         """The verify call's steps for a round whose k was fixed by its request."""
@@ -219,13 +251,14 @@ class GoodputController:
     # plans -----------------------------------------------------------------------------------
 
     def _current_plan(self) -> Plan:
+        """The plan, made again once per batch round (as many rounds as sequences ended since
+        the last one) or when the load changed."""
         rows = max(self.in_flight, 1)
         plan = self._plan
         if plan is None or plan.rows != rows or self._rounds_since_plan >= rows:
             plan = self._plan = self._make_plan(rows, plan.rate if plan is not None else None)
             self._rounds_since_plan = 0
             self._note_plan(plan)
-        self._rounds_since_plan += 1
         return plan
 
     def _make_plan(self, rows: int, rate: float | None) -> Plan:
@@ -257,13 +290,13 @@ class GoodputController:
         last = self._load_at_change
         if last is None or abs(plan.rows - last) > max(1, _LOAD_CHANGE * last):
             self._load_at_change, self._plans_since_change = plan.rows, 0
-            self._last_signature, self._stable_plans, self._settling = None, 0, True
+            self._stable_start, self._stable_plans, self._settling = None, 0, True
             self.load_changes += 1
         self._plans_since_change += 1
-        if plan.signature == self._last_signature:
+        if plan.holds(self._stable_start):
             self._stable_plans += 1
         else:
-            self._last_signature, self._stable_plans = plan.signature, 1
+            self._stable_start, self._stable_plans = plan, 1
             self._stable_since = self._plans_since_change
         if self._settling and self._stable_plans >= SETTLED_PLANS:
             self.rounds_to_settle.append(self._stable_since - 1)
@@ -273,6 +306,7 @@ class GoodputController:
 
     def observe_round(self, seq_id: str, source: str | None, drafted: int, accepted: int, match: int = 0) -> None:
         """A round of seq_id verified `drafted` drafts from `source` and kept `accepted`."""
+        self._rounds_since_plan += 1
         seq = self._sequences.get(seq_id)
         if drafted and source is not None:
             self._pooled_chances(source, match).observe(drafted, accepted)

@@ -372,7 +372,8 @@ class SpeculationLoop:
             if source is not None and source != POOL:
                 k = min(k, len(offer.lookup))
             return Choice(source, k if source else 0, self.control.steps(k if source else 0, cap), None), offer
-        offer = self.sources.offer(gen.method, tokens, min(self.control.max_k, max(cap, 0)), pool)
+        offer = self.sources.offer(gen.method, tokens, min(self.control.max_k, max(cap, 0)), pool,
+                                   may=lambda source: self.control.may_draft(seq_id, source, len(tokens)))
         return self.control.choose(seq_id, offer, len(tokens), cap, gen.method), offer
 
     def _overlap(self, gen: Generation, choice: Choice) -> bool:

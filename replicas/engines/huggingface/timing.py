@@ -8,10 +8,9 @@ import time
 from replicas.engines.huggingface.model_runner import ExtendCall
 
 
-def forward_ms(runner, count: int, new: int, context: int, repeats: int, fastest: bool = False) -> float:
-    """Median (or, with `fastest`, least) ms of one forward over `count` sequences computing
-    `new` positions each on top of `context` cached ones (the first call, computing the
-    contexts, is not timed)."""
+def forward_ms(runner, count: int, new: int, context: int, repeats: int) -> float:
+    """Median ms of one forward over `count` sequences computing `new` positions each on top
+    of `context` cached ones (the first call, computing the contexts, is not timed)."""
     vocab = runner.vocab_size
     calls = [ExtendCall(f"_profile-{count}-{new}-{i}",
                         [(7 * i + 3 * j) % (vocab - 1) + 1 for j in range(context + new)], new)
@@ -24,7 +23,7 @@ def forward_ms(runner, count: int, new: int, context: int, repeats: int, fastest
         times.append((time.perf_counter() - started) * 1000)
     for call in calls:
         runner.release(call.seq_id)
-    return min(times) if fastest else sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2]
 
 
 # (rows, new positions each, cached context): enough to tell a pass's fixed cost from its cost
@@ -34,10 +33,26 @@ def forward_ms(runner, count: int, new: int, context: int, repeats: int, fastest
 STARTUP_SHAPES = ((1, 1, 4), (1, 3, 4), (2, 1, 4), (2, 2, 4))
 
 
-def startup_passes(runner, shapes=STARTUP_SHAPES, repeats: int = 2) -> list[tuple[int, int, float, float]]:
-    """Each shape's fastest of `repeats` passes (a replica starting beside others meets their
-    load: the fastest is the least disturbed), as the engines report passes
-    (replicas/protocol.py PassRecord)."""
-    return [(rows, rows * new, rows * new * (context + new) / 1000,
-             forward_ms(runner, rows, new, context, repeats, fastest=True))
+def startup_passes(runner, shapes=STARTUP_SHAPES, repeats: int = 3) -> list[tuple[int, int, float, float]]:
+    """Each shape's fastest of `repeats` passes, the shapes taken in turn within each repeat
+    (a replica starting beside others meets their load in bursts: the fastest of passes spread
+    over time is the least disturbed), as the engines report passes (replicas/protocol.py
+    PassRecord)."""
+    vocab = runner.vocab_size
+    calls = {shape: [ExtendCall(f"_startup-{n}-{i}", [(7 * i + 3 * j) % (vocab - 1) + 1
+                                                      for j in range(shape[2] + shape[1])], shape[1])
+                     for i in range(shape[0])]
+             for n, shape in enumerate(shapes)}
+    for batch in calls.values():          # the contexts, computed once, not timed
+        runner.extend_batch(batch)
+    fastest = dict.fromkeys(shapes, float("inf"))
+    for _ in range(repeats):
+        for shape, batch in calls.items():   # the last `new` positions of each, again
+            started = time.perf_counter()
+            runner.extend_batch(batch)
+            fastest[shape] = min(fastest[shape], (time.perf_counter() - started) * 1000)
+    for batch in calls.values():
+        for call in batch:
+            runner.release(call.seq_id)
+    return [(rows, rows * new, rows * new * (context + new) / 1000, fastest[(rows, new, context)])
             for rows, new, context in shapes]
