@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.cost_model import PassShape, RoundCosts
 from router.goodput import KeepChances, SequenceKeep, expected_curve
@@ -102,8 +102,7 @@ class _Sequence:
     keep: dict[str, SequenceKeep]
     index: int = 0                 # its order of arrival at this router
     context: int = 0
-    offer: Offer = Offer()
-    last_match: dict[str, int] = field(default_factory=dict)
+    offer: Offer = Offer()            # its last round's: what the next plan prices it with
 
 
 @dataclass

@@ -214,6 +214,19 @@ class _Ahead:
 
 
 @dataclass
+class _Drafted:
+    """A round's drafts as they came: their source, their q (pool drafts when sampling), the
+    pool's proposal, the lookup match, whether the pool failed them, the draft call's ms."""
+    source: str | None
+    drafts: list[int]
+    probs: object = None
+    proposal: Proposal | None = None
+    match: int = 0
+    fell_back: bool = False
+    call_ms: float = 0.0
+
+
+@dataclass
 class _Progress:
     text: IncrementalDetokenizer
     stops: StopStringFilter
@@ -337,28 +350,28 @@ class SpeculationLoop:
         overlap = self._overlap(gen, choice)
         ready = await self._drafts_ahead(ahead, choice.k if choice.source == POOL else 0, stats)
         if ready is not None:   # drafted off this round's path
-            source, drafts, probs, proposal, match, fallback, draft_ms = POOL, ready.tokens, ready.probs, None, 0, False, 0.0
+            drafted = _Drafted(POOL, ready.tokens, ready.probs)
         else:
-            source, drafts, probs, proposal, match, fallback, draft_ms = await self._draft(
-                lane, seq_id, tokens, gen, choice, offer, stats.rounds)
-            fallback = fallback or offer.fallback
+            drafted = await self._draft(lane, seq_id, tokens, gen, choice, offer, stats.rounds)
+        drafts = drafted.drafts
         # The first round's one pass: its token is not held back by further steps.
         steps = 1 if stats.rounds == 0 or (overlap and drafts) else choice.steps
         verify_started = time.perf_counter()
         verifying = asyncio.ensure_future(self.gatherer.call("target", lane, seq_id, VerifyRequest(
-            seq_id, tokens, drafts, probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
+            seq_id, tokens, drafts, drafted.probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
             noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids), logprobs=gen.logprobs,
             prompt_logprobs=gen.prompt_logprobs if stats.rounds == 0 else None,
             steps=steps, stop_ids=tuple(gen.ends_on(self.eos_token_ids)))))
-        if overlap and drafts and source == POOL:
+        if overlap and drafts and drafted.source == POOL:
             stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
                                                  lookahead_size(choice.k, cap - len(drafts) - 1), gen, stats.rounds)
         verdict = await verifying
         ahead.verdict = verdict
         now = time.perf_counter()
         self._record(seq_id, stats, RoundOutcome(
-            source, len(tokens), choice.k, drafts, match, verdict, proposal, ready, fallback, (now - started) * 1000,
-            (now - verify_started) * 1000, draft_ms, choice.predicted_ms))
+            drafted.source, len(tokens), choice.k, drafts, drafted.match, verdict, drafted.proposal, ready,
+            drafted.fell_back or offer.fallback, (now - started) * 1000, (now - verify_started) * 1000,
+            drafted.call_ms, choice.predicted_ms))
         return verdict
 
     def _choose(self, seq_id: str, tokens: list[int], gen: Generation, cap: int) -> tuple[Choice, Offer]:
@@ -428,14 +441,13 @@ class SpeculationLoop:
         return gen.seed if gen.seeded and not gen.sampling.greedy else None
 
     async def _draft(self, lane: str, seq_id: str, tokens: list[int], gen: Generation, choice: Choice,
-                     offer: Offer, round_index: int) -> tuple:
-        """The chosen drafts: (source, drafts, their q or None, the pool's proposal or None,
-        the lookup match, whether the pool failed, the draft call's wall ms). Lookup drafts go
-        without q: one-hot, as the target's rule then takes them."""
+                     offer: Offer, round_index: int) -> _Drafted:
+        """The chosen drafts. Lookup drafts go without q: one-hot, as the target's rule then
+        takes them. A pool call that fails or comes late: prompt lookup instead, or none."""
         if choice.k == 0 or choice.source is None:
-            return None, [], None, None, 0, False, 0.0
+            return _Drafted(None, [])
         if choice.source != POOL:
-            return choice.source, list(offer.lookup[:choice.k]), None, None, offer.match, False, 0.0
+            return _Drafted(choice.source, list(offer.lookup[:choice.k]), match=offer.match)
         started = time.perf_counter()
         try:
             proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
@@ -447,11 +459,11 @@ class SpeculationLoop:
         except Exception as exc:  # noqa: BLE001 - the pool failed or is late: go on without it
             self.drafts.report_failure(type(exc).__name__)
             return self._fell_back(tokens, choice.k)
-        return POOL, proposal.tokens, proposal.probs, proposal, 0, False, (time.perf_counter() - started) * 1000
+        return _Drafted(POOL, proposal.tokens, proposal.probs, proposal, call_ms=(time.perf_counter() - started) * 1000)
 
-    def _fell_back(self, tokens: list[int], k: int) -> tuple:
+    def _fell_back(self, tokens: list[int], k: int) -> _Drafted:
         drafts, match = self.sources.fallback(tokens, k)
-        return ("ngram" if drafts else None), drafts, None, None, match, True, 0.0
+        return _Drafted("ngram" if drafts else None, drafts, match=match, fell_back=True)
 
     async def _drafts_ahead(self, ahead: _Ahead, k: int, stats: SpeculationStats) -> Drafts | None:
         """This round's drafts from the last round's lookahead, when its guess held. A
