@@ -274,9 +274,9 @@ class SpeculationConfig(Strict):
     method: Literal["draft_model", "ngram", "suffix", "hybrid"] = Field(
         "draft_model", description="Where drafts come from unless a request picks: the draft pool's model; "
                                    "`ngram`, prompt lookup in the router (the continuation of the latest earlier "
-                                   "occurrence of the sequence's last 1-4 tokens, router/lookup.py: no draft "
+                                   "occurrence of the sequence's last 1-4 tokens, replicas/drafting/lookup.py: no draft "
                                    "call); `suffix`, the longer match of the sequence's own tokens (up to 8) "
-                                   "and the router's recent outputs of other requests (router/suffix.py); "
+                                   "and the router's recent outputs of other requests (replicas/drafting/suffix.py); "
                                    "`hybrid`, lookup in rounds where a suffix of at least "
                                    "hybrid_min_ngram tokens matched, the draft pool in the others. With "
                                    "the vLLM target engine: draft_model or ngram (vLLM's own lookup).")

@@ -4,7 +4,7 @@ Terms (one round, k draft tokens d_1..d_k):
 - p_i: the target's warped distribution for position i, given the sequence and d_1..d_{i-1};
   p has k + 1 rows, the last one following d_k.
 - q_i: the draft's warped distribution that d_i was sampled from (one-hot when the draft
-  proposed greedily, and for drafts copied by prompt lookup, router/lookup.py: a function of
+  proposed greedily, and for drafts copied by prompt lookup, replicas/drafting/lookup.py: a function of
   the context, fixed before the target's randomness, so the rule below stays exact).
 - accepted tokens: the leading drafts the rule keeps, n of them (0 <= n <= k).
 - recovered token: after the first rejection (at position n + 1), a token sampled from the

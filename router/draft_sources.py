@@ -7,8 +7,8 @@ asked for after that choice (router/speculation.py).
 
 - draft_model: the draft pool; while the pool is unavailable (router/fallback.py), prompt
   lookup instead where lookup_fallback is on.
-- ngram: prompt lookup in the sequence (router/lookup.py).
-- suffix: lookup in the sequence and in the router's recent outputs (router/suffix.py).
+- ngram: prompt lookup in the sequence (replicas/drafting/lookup.py).
+- suffix: lookup in the sequence and in the router's recent outputs (replicas/drafting/suffix.py).
 - hybrid: prompt lookup where a match of hybrid_min_ngram tokens or more was found, and the
   draft pool: whichever the controller prices higher, round by round.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from router.k_control import POOL, Offer
-from router.lookup import LookupOptions, lookup_match
-from router.suffix import OutputCache, suffix_match
+from replicas.drafting.lookup import LookupOptions, lookup_match
+from replicas.drafting.suffix import OutputCache, suffix_match
 
 
 @dataclass

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoConfig, GenerationConfig
 
 from cluster.config import ClusterConfig
-from replicas.engines.huggingface.loading import load_tokenizer
+from replicas.tokenizer import load_tokenizer
 from replicas.protocol import RowError, TokenLogprobs
 from router.admission import Admission
 from router.auth import ApiKeys
@@ -39,7 +39,7 @@ from router.errors import (OpenAIError, deadline_exceeded, loading, overloaded, 
 from router.gate import GateFull, RequestGate, Slot
 from router.k_control import GoodputController
 from replicas.metrics import GAUGE_REFRESH_S, refresh_every
-from router.lookup import LookupOptions
+from replicas.drafting.lookup import LookupOptions
 from router.metrics import RouterMetrics
 from router.readiness import FIRST_ANSWER_WAIT_S
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body

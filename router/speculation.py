@@ -33,11 +33,11 @@ from router.fallback import DraftAvailability
 from router.gathering import CallGatherer
 from router.k_control import POOL, Choice, GoodputController, Offer
 from router.lookahead import Drafts, lookahead_size, usable_drafts
-from router.lookup import LookupOptions
+from replicas.drafting.lookup import LookupOptions
 from router.pool_client import PoolClient, PoolTimeouts
 from router.readiness import PoolReadiness
 from router.routing import lane_of
-from router.suffix import OutputCache
+from replicas.drafting.suffix import OutputCache
 from router.text import IncrementalDetokenizer, StopStringFilter
 
 logger = logging.getLogger("ray.serve")
@@ -64,8 +64,8 @@ class Generation:
     logprobs: int | None = None          # each token's logprob, with this many of the most likely
     prompt_logprobs: int | None = None   # the prompt's too (echo), from the first verify's rows
     echo: str | None = None              # the text a completion starts with (the prompt's, echoed)
-    method: str = "draft_model"          # drafts from the draft pool, "ngram": prompt lookup (router/lookup.py),
-                                         # "suffix": lookup in the sequence and recent outputs (router/suffix.py),
+    method: str = "draft_model"          # drafts from the draft pool, "ngram": prompt lookup (replicas/drafting/lookup.py),
+                                         # "suffix": lookup in the sequence and recent outputs (replicas/drafting/suffix.py),
                                          # "hybrid": lookup where its match is long enough, else the pool
 
     def ends_on(self, eos_token_ids: set[int]) -> set[int]:
@@ -248,8 +248,8 @@ class SpeculationLoop:
         """engine_rounds: the target engine runs the rounds itself (vLLM, drafting from the
         draft pool on its own, replicas/engines/vllm/target.py): a request streams from it.
         control: the router's choice of every round's source, k and steps, for every method.
-        lookup: how prompt lookup drafts (router/lookup.py) in hybrid and fallback rounds.
-        suffix_cache_tokens: the finished outputs kept for suffix drafts (router/suffix.py)."""
+        lookup: how prompt lookup drafts (replicas/drafting/lookup.py) in hybrid and fallback rounds.
+        suffix_cache_tokens: the finished outputs kept for suffix drafts (replicas/drafting/suffix.py)."""
         self.engine_rounds = engine_rounds
         self.client = PoolClient(draft, target, timeouts, channel_key)
         self.readiness = PoolReadiness(self.client.describe, list(self.client.pools))

@@ -17,7 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 from cluster.config import ClusterConfig, ModelSpec, parse_config  # noqa: E402
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from replicas.engines.huggingface.loading import load_causal_lm  # noqa: E402
+from replicas.tokenizer import load_tokenizer
 from cluster.ports import free_port  # noqa: E402
 from training.tiny_models import UNTRAINED_NOTE, perturbed_copy, save, tiny_llama, train_tokenizer  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.bench import prompts
 from cluster.bench.prompts import fresh_prompts
-from replicas.engines.huggingface.loading import load_tokenizer
+from replicas.tokenizer import load_tokenizer
 from training.corpus import corpus_files, stdlib_root
 
 MODELS = Path(__file__).resolve().parent.parent / "models"

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from replicas.engines.huggingface.loading import load_tokenizer
+from replicas.tokenizer import load_tokenizer
 from router.routing import lane_count, lane_of
 from tests.conftest import MAX_TOKENS, PROMPTS, cluster_config, deploy
 from tests.test_cache_release import wait_for_empty_caches

@@ -49,7 +49,7 @@ def test_acceptance_rules_keep_what_their_formulas_say():
     with the target's top probability, less than 1."""
     import torch
 
-    from cluster.bench.acceptance_rules import keep_rates
+    from experiments.acceptance_rules import keep_rates
     from training.tiny_models import tiny_llama
 
     model = tiny_llama("target", 64, eos_token_id=0, seed=3)

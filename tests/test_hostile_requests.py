@@ -15,7 +15,9 @@ import pytest
 import torch
 from ray import serve
 
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm
+
+from replicas.tokenizer import load_tokenizer
 from training.tiny_models import UNTRAINED_NOTE, save
 from cluster.config import ModelSpec
 from tests.conftest import PROMPTS, cluster_config, deploy

@@ -267,7 +267,7 @@ def test_default_max_tokens(apps):
 
 
 def test_token_id_prompt_equals_text_prompt(apps, zoo):
-    from replicas.engines.huggingface.loading import load_tokenizer
+    from replicas.tokenizer import load_tokenizer
 
     ids = load_tokenizer(zoo.target).encode("import os\n")
     by_text = complete(apps["copy"], max_tokens=6, return_token_ids=True)

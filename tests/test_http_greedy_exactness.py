@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cluster.config import ModelSpec
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.tokenizer import load_tokenizer
 from tests.http_client import complete, stream_complete
 
 PROMPTS = [
@@ -181,8 +182,8 @@ LOOKUP_CASES = [(method, k) for method in ("ngram", "suffix", "hybrid") for k in
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("method, k", LOOKUP_CASES)
 def test_prompt_lookup_greedy_equals_target_only(apps, reference, method, k, stream):
-    """`speculation.method: ngram`: drafts copied from the sequence in the router (router/lookup.py);
-    `suffix`: from the sequence or the router's recent outputs (router/suffix.py; these prompts
+    """`speculation.method: ngram`: drafts copied from the sequence in the router (replicas/drafting/lookup.py);
+    `suffix`: from the sequence or the router's recent outputs (replicas/drafting/suffix.py; these prompts
     were answered before, so its drafts are often whole outputs); `hybrid`: lookup where a
     suffix of 2 or more tokens matched, the draft pool's in other rounds."""
     call = stream_complete if stream else complete

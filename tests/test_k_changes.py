@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from replicas.engines.huggingface.loading import load_tokenizer
+from replicas.tokenizer import load_tokenizer
 from replicas.sampling import GREEDY, SamplingParams
 from router.k_control import POOL, Choice, GoodputController, Offer
 from router.pool_client import PoolTimeouts

@@ -1,4 +1,4 @@
-"""Prompt lookup drafts (router/lookup.py), against a brute-force reference written apart."""
+"""Prompt lookup drafts (replicas/drafting/lookup.py), against a brute-force reference written apart."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.lookup import lookup_drafts
+from replicas.drafting.lookup import lookup_drafts
 
 
 def reference(tokens: list[int], k: int, max_ngram: int = 4) -> list[int]:

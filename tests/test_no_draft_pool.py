@@ -1,5 +1,5 @@
 """A cluster without a draft model: a router and a target pool, speculating by prompt lookup
-(router/lookup.py). Through HTTP on the session's Ray: greedy output is the target alone's,
+(replicas/drafting/lookup.py). Through HTTP on the session's Ray: greedy output is the target alone's,
 no draft deployment exists, and a method that needs the draft pool is refused."""
 
 from __future__ import annotations

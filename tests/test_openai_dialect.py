@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from cluster.config import ModelSpec
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.tokenizer import load_tokenizer
 
 MODEL = "specserve"
 EOS = 0

@@ -12,7 +12,8 @@ import torch
 
 from cluster.config import ModelSpec
 from replicas.engines.huggingface import TargetEngine
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.tokenizer import load_tokenizer
 from replicas.protocol import RowError, Verification, VerifyRequest
 from replicas.sampling import SamplingParams
 

@@ -17,7 +17,8 @@ from cluster.config import ClusterConfig, ModelSpec
 from replicas.engines import huggingface
 from replicas.engines.huggingface import DraftEngine, TargetEngine
 from replicas.engines.huggingface.invariance import batch_invariant
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.tokenizer import load_tokenizer
 from replicas.engines.huggingface import llama_forward
 from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 from replicas.protocol import ProposeRequest, VerifyRequest

@@ -27,8 +27,8 @@ from replicas.engines.huggingface.shard_group import launch_local
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import SamplingParams
 from training.tiny_models import tiny_llama
-from router.lookup import lookup_drafts
-from router.suffix import OutputCache, suffix_drafts
+from replicas.drafting.lookup import lookup_drafts
+from replicas.drafting.suffix import OutputCache, suffix_drafts
 from router.speculation import round_seed
 from tests.test_logits_processing import reference_probs
 
@@ -171,9 +171,9 @@ REPEATING = [1, 2, 3, 1, 2]
 def lookup_pairs(target, params: SamplingParams, seed: int, wrong_q: bool = False,
                  method: str = "ngram") -> torch.Tensor:
     """Counts [V, V] of the first two tokens after REPEATING, with drafts from prompt lookup
-    (router/lookup.py), verified as the router sends them: no draft_probs, so q is one-hot.
+    (replicas/drafting/lookup.py), verified as the router sends them: no draft_probs, so q is one-hot.
     wrong_q: send a uniform q instead, as if the drafts had been sampled from it. method
-    "suffix": suffix drafts (router/suffix.py), their output cache fed every earlier batch's
+    "suffix": suffix drafts (replicas/drafting/suffix.py), their output cache fed every earlier batch's
     samples, as a router's is fed earlier requests' outputs."""
     verifier = TargetEngine.on_model(target, max_cached_tokens=1000)
     counts, looked_up = torch.zeros(VOCAB, VOCAB), 0

@@ -1,4 +1,4 @@
-"""Suffix drafts (router/suffix.py): the output cache's walk against a brute-force count over
+"""Suffix drafts (replicas/drafting/suffix.py): the output cache's walk against a brute-force count over
 the outputs it holds, its memory bound under a flood of distinct outputs, and the choice
 between the sequence's own match and the cache's."""
 
@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from router.lookup import lookup_match
-from router.suffix import DEPTH, MIN_CHANCE, OutputCache, suffix_drafts
+from replicas.drafting.lookup import lookup_match
+from replicas.drafting.suffix import DEPTH, MIN_CHANCE, OutputCache, suffix_drafts
 
 
 def reference_walk(entries: list[tuple[int, ...]], context: list[int], k: int, depth: int) -> list[int]:

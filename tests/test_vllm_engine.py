@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this environment: t
 
 from cluster.bench.chi_square import chi_square_p_value             # noqa: E402
 from cluster.bench.vllm_baseline import __file__ as VLLM_BASELINE   # noqa: E402
-from replicas.engines.huggingface.loading import load_tokenizer                        # noqa: E402
+from replicas.tokenizer import load_tokenizer                        # noqa: E402
 from replicas.sampling import SamplingParams                        # noqa: E402
 from tests.test_logits_processing import reference_probs            # noqa: E402
 from tests.conftest import cluster_config, deploy                  # noqa: E402

@@ -16,8 +16,8 @@ from replicas.engines.vllm.cpu_fixes import expand_per_token
 from replicas.engines.vllm.lookup_proposer import LookupDrafter
 from replicas.engines.vllm.proposer import SequenceNames
 from replicas.engines.vllm.target import LOOKUP_PROPOSER, cpu_thread_binding, executor_backend, speculative_config
-from router.lookup import lookup_drafts
-from router.suffix import suffix_drafts
+from replicas.drafting.lookup import lookup_drafts
+from replicas.drafting.suffix import suffix_drafts
 
 
 def pool(tp_size: int, **resources) -> TargetPoolConfig:

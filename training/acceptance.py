@@ -17,7 +17,8 @@ import torch
 from cluster.config import ModelSpec
 from training.corpus import held_out_prompts
 from replicas.engines.huggingface import DraftEngine, TargetEngine
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.tokenizer import load_tokenizer
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY
 

@@ -18,7 +18,8 @@ from transformers import AutoConfig, LlamaForCausalLM
 from cluster.config import ModelSpec
 from training.acceptance import measure
 from training.corpus import HELD_OUT_MODULUS, corpus_files, held_out_prompts, split
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.tokenizer import load_tokenizer
 from training.train_pair import (DISTILL, DRAFT, ONPOLICY, ONPOLICY_NEW, ONPOLICY_PROMPT, ONPOLICY_ROWS, SEQUENCE,
                                  TARGET)
 

@@ -158,7 +158,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     from cluster.bench.load import SAMPLING as SAMPLING_FIELDS
     from cluster.bench.load import Workload, closed_loop, open_loop
     from cluster.bench.vllm_compare import compare, vllm_python
-    from replicas.engines.huggingface.loading import load_tokenizer
+    from replicas.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.models.target.path)
     k = config.speculation.k

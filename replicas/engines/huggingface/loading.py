@@ -10,7 +10,7 @@ import torch
 # Set before transformers reads it: a model path that is not a folder must fail, not download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
 from cluster.config import ModelSpec  # noqa: E402
 
@@ -47,5 +47,3 @@ def _cpu_bfloat16() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def load_tokenizer(path: Path):
-    return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)

@@ -1,6 +1,6 @@
 """specserve's lookup drafts inside a vLLM target engine: a vLLM `custom_class` proposer.
 
-The router's drafters (router/lookup.py prompt lookup, router/suffix.py suffix drafts) run in
+The router's drafters (replicas/drafting/lookup.py prompt lookup, replicas/drafting/suffix.py suffix drafts) run in
 vLLM's worker, once per engine step, on each row's context: no hop, no draft model. vLLM calls
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, ...)` as it calls the draft
 pool's proposer (replicas/engines/vllm/proposer.py says what the arguments hold); a row
@@ -25,8 +25,8 @@ import os
 
 from replicas.engines.vllm import cpu_fixes
 from replicas.engines.vllm.proposer import SequenceNames
-from router.lookup import lookup_drafts
-from router.suffix import OutputCache, suffix_drafts
+from replicas.drafting.lookup import lookup_drafts
+from replicas.drafting.suffix import OutputCache, suffix_drafts
 
 logger = logging.getLogger(__name__)
 METHOD_ENV, CACHE_ENV = "SPECSERVE_LOOKUP_METHOD", "SPECSERVE_SUFFIX_CACHE_TOKENS"

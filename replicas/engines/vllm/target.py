@@ -43,7 +43,7 @@ def speculative_config(method: str, k: int) -> dict:
     """How vLLM drafts, in its worker, once per engine step:
     - draft_model: from specserve's draft pool, through the proposer;
     - ngram: vLLM's own prompt lookup (the same 1-4 token matches as the router's,
-      router/lookup.py); specserve's ngram run in the worker was measured about as fast;
+      replicas/drafting/lookup.py); specserve's ngram run in the worker was measured about as fast;
     - suffix: specserve's suffix drafts run in the worker (lookup_proposer.py), with a cache
       of the engine's earlier outputs: 1.08-1.36x vLLM's ngram on the bench's prompts
       (docs/BENCHMARKS.md), and vLLM's own suffix method needs Arctic Inference.

@@ -5,7 +5,7 @@
 # the other: completions and chat on random prompts, and completions on held-out code prompts
 # (the text the models were trained for), at 1 and 4 concurrent clients (docs/BENCHMARKS.md,
 # "vllm bench serve against the default cluster"). Run from the repository root:
-#   VLLM_PYTHON=/tmp/vllm-venv/bin/python OUT=/tmp/vbs bash cluster/bench/vllm_bench_side_by_side.sh
+#   VLLM_PYTHON=/tmp/vllm-venv/bin/python OUT=/tmp/vbs bash experiments/vllm_bench_side_by_side.sh
 # The custom dataset's reader needs pandas in the vLLM venv (`pip install pandas`).
 set -uo pipefail
 VLLM_PYTHON=${VLLM_PYTHON:-/tmp/vllm-venv/bin/python}
@@ -19,7 +19,7 @@ source "$(dirname "$0")/side_by_side.sh"
 .venv/bin/python - "$OUT/code.jsonl" "$PROMPTS" <<'PY'
 import json, sys
 from pathlib import Path
-from replicas.engines.huggingface.loading import load_tokenizer
+from replicas.tokenizer import load_tokenizer
 from training.corpus import held_out_prompts
 tokenizer = load_tokenizer(Path("models/target"))
 with open(sys.argv[1], "w") as f:

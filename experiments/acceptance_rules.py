@@ -1,6 +1,6 @@
 """What each engine's acceptance rule keeps of a draft, per position, on held-out text.
 
-    python -m cluster.bench.acceptance_rules [--temperatures 0.7 1.0] [--prompts 32] [--noise-draws 64]
+    python -m experiments.acceptance_rules [--temperatures 0.7 1.0] [--prompts 32] [--noise-draws 64]
 
 - huggingface engine: the draft x is sampled from the draft's q and kept with min(1, p(x)/q(x)),
   so a position keeps its draft with probability sum_x min(p(x), q(x)) (1 - total variation).
@@ -45,7 +45,8 @@ def keep_rates(target, draft, prompts: list[list[int]], temperature: float, nois
 
 def main(argv: list[str] | None = None) -> int:
     from cluster.config import ModelSpec
-    from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
+    from replicas.engines.huggingface.loading import load_causal_lm
+    from replicas.tokenizer import load_tokenizer
     from training.corpus import held_out_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,4 +1,4 @@
-"""Suffix drafts, ours (router/suffix.py) against Arctic Inference's SuffixDecodingCache (its
+"""Suffix drafts, ours (replicas/drafting/suffix.py) against Arctic Inference's SuffixDecodingCache (its
 C++ suffix trees), offline: the bundled target's greedy 96-token answers to the 16 held-out
 prompts, k = 4, tokens a round by greedy acceptance against the known answer, and
 microseconds a draft call. Pass 1: each prompt once, every answer added to the caches as it
@@ -12,7 +12,7 @@ isolated build environment (a CUDA build from PyPI); its suffix trees alone buil
     cd A/arctic_inference-0.3.0/csrc/suffix_decoding && cmake -B build -DPython_EXECUTABLE=$A/venv/bin/python && make -C build
     mkdir -p A/pkg/arctic_inference/suffix_decoding && touch A/pkg/arctic_inference/__init__.py
     cp A/arctic_inference-0.3.0/arctic_inference/suffix_decoding/*.py build/_C*.so A/pkg/arctic_inference/suffix_decoding/
-    python -m cluster.bench.suffix_vs_arctic A/pkg
+    python -m experiments.suffix_vs_arctic A/pkg
 """
 import sys
 import time
@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from cluster.config import ModelSpec
-from replicas.engines.huggingface.loading import load_causal_lm, load_tokenizer
-from router.suffix import OutputCache, suffix_drafts
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.tokenizer import load_tokenizer
+from replicas.drafting.suffix import OutputCache, suffix_drafts
 from training.corpus import held_out_prompts
 
 K, NEW = 4, 96
@@ -70,7 +71,7 @@ def main(arctic_folder: str) -> None:
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
     prompts, answers = greedy_answers()
-    print("router/suffix.py:")
+    print("replicas/drafting/suffix.py:")
     ours = OutputCache(16384)
     rounds(prompts, answers, lambda request, context: suffix_drafts(context, K, ours),
            lambda request, prompt: None, lambda request, new: None, lambda request, prompt, answer: ours.add(prompt, answer))

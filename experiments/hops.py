@@ -1,6 +1,6 @@
 """The cost of one call between deployments, the unit of a round's coordination cost.
 
-    python -m cluster.bench.hops --calls 300
+    python -m experiments.hops --calls 300
 
 Starts a local Ray, deploys an echo deployment and a caller, and reports the caller's median
 latency per call for each handle option (payload: a request-sized dict of 300 token ids).

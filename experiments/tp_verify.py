@@ -2,7 +2,7 @@
 round (k + 1 new positions per sequence on top of a cached context), timed on the runner
 itself, without Serve.
 
-    python -m cluster.bench.tp_verify --model models/target --batch 1 8 --k 4 --context 128
+    python -m experiments.tp_verify --model models/target --batch 1 8 --k 4 --context 128
 
 tp 1 runs in this process with 1 and with 2 threads; tp 2 runs two shards of 1 thread each
 (this process is rank 0, the other a local process), so both use the same two cores.

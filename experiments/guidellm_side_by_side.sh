@@ -3,7 +3,7 @@
 # server on the same pair, one after the other, completions and chat, 1 and 4 streams
 # (docs/BENCHMARKS.md, "GuideLLM against the default cluster"). Run from the repository root:
 #   GUIDELLM=/tmp/glv/bin/guidellm VLLM_PYTHON=/tmp/vllm-venv/bin/python OUT=/tmp/gl \
-#       bash cluster/bench/guidellm_side_by_side.sh
+#       bash experiments/guidellm_side_by_side.sh
 set -uo pipefail
 GUIDELLM=${GUIDELLM:-guidellm}
 VLLM_PYTHON=${VLLM_PYTHON:-/tmp/vllm-venv/bin/python}

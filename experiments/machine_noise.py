@@ -2,7 +2,7 @@
 float32 matrix multiply in a loop, counted per second and per 10-second block. Benchmark
 ratios finer than the blocks' spread cannot be resolved by runs as long as a block.
 
-    python -m cluster.bench.machine_noise --seconds 60
+    python -m experiments.machine_noise --seconds 60
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Terms:
   Indexed by every n-gram of 1..depth tokens to how often each next token followed it (a
   suffix tree's node counts, flattened: memory is depth entries a cached token at most).
 - a round's drafts: the longer match of two, the sequence's own tokens (prompt lookup,
-  router/lookup.py, up to `depth` tokens) or the output cache (a walk: each draft the most
+  replicas/drafting/lookup.py, up to `depth` tokens) or the output cache (a walk: each draft the most
   frequent next token after the longest context it knows, while the drafts' estimated
   chance of all being right, the product of their shares of the counts, stays at least
   `min_chance`); the sequence's own match where both are as long.
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Sequence
 
-from router.lookup import lookup_match
+from replicas.drafting.lookup import lookup_match
 
 DEPTH = 8
 MIN_CHANCE = 0.1         # SuffixDecoding stops a path where its estimated chance drops below about this
