@@ -21,6 +21,7 @@ import yaml
 from cluster.ports import free_port
 
 SPECSERVE = Path(sys.executable).parent / "specserve"
+HAPROXY_PORT_VARIABLES = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 STARTUP_TIMEOUT_S = 180
 SHUTDOWN_TIMEOUT_S = 60
 MAX_TOKENS = 8
@@ -139,6 +140,9 @@ def _start_once(tmp_path_factory, **config_fields) -> Server:
     port = free_port()
     config = write_config(folder, port, **config_fields)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # HAProxy's stats and metrics ports of its own: the session's test cluster (conftest.py)
+    # holds the ones this process's environment names.
+    env.update({variable: str(free_port()) for variable in HAPROXY_PORT_VARIABLES})
     env.setdefault("HF_HUB_OFFLINE", "1")
     process = subprocess.Popen(
         [str(SPECSERVE), "up", "--config", str(config), "--port", str(port)],
@@ -250,6 +254,9 @@ def test_up_on_a_taken_port_says_which_and_who_holds_it_before_starting_ray(tmp_
         port = held.getsockname()[1]
         config = write_config(tmp_path, port)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # HAProxy's stats and metrics ports of its own: the session's test cluster (conftest.py)
+    # holds the ones this process's environment names.
+    env.update({variable: str(free_port()) for variable in HAPROXY_PORT_VARIABLES})
         started = time.monotonic()
         done = subprocess.run([str(SPECSERVE), "up", "--config", str(config), "--port", str(port)],
                               capture_output=True, text=True, env=env, timeout=120)

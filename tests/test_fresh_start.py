@@ -37,9 +37,10 @@ def _config(folder, target) -> dict:
             "limits": {"max_tokens": 64, "default_max_tokens": 16, "context_length": 512}}
 
 
-def _first_answers(url: str, deadline: float) -> tuple[httpx.Response, float]:
+def _first_answers(srv, deadline: float) -> tuple[httpx.Response, float]:
     """Poll /health until it answers 200, then send a completion at once: its response and
     how long it took."""
+    url = srv.url
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -48,7 +49,8 @@ def _first_answers(url: str, deadline: float) -> tuple[httpx.Response, float]:
             pass
         time.sleep(0.05)
     else:
-        pytest.fail("/health never answered 200")
+        srv.drain(timeout_s=1.0)
+        pytest.fail(f"/health never answered 200; `specserve up` said:\n{srv.output()}")
     sent = time.monotonic()
     response = httpx.post(f"{url}/v1/completions", json=BODY, timeout=120)
     return response, time.monotonic() - sent
@@ -62,7 +64,7 @@ def test_requests_sent_when_health_answers_are_served_or_refused_fast(slow_targe
     monkeypatch.setattr(cli_up, "write_config", lambda folder, port, **_: _written(folder, slow_target))
     srv = _start_once(tmp_path_factory)
     try:
-        response, seconds = _first_answers(srv.url, time.monotonic() + STARTUP_TIMEOUT_S)
+        response, seconds = _first_answers(srv, time.monotonic() + STARTUP_TIMEOUT_S)
         assert response.status_code in (200, 503), response.text
         assert seconds < FAST_S, (response.status_code, seconds)
         if response.status_code == 503:

@@ -86,8 +86,8 @@ def test_a_row_failing_in_a_later_step_keeps_its_earlier_tokens(target, monkeypa
     expected = hf_greedy(model, ids, 2)
     windows = engine._windows
 
-    def failing_later(requests):
-        answers = windows(requests)
+    def failing_later(requests, passes):
+        answers = windows(requests, passes)
         if len(requests[0].tokens) > len(ids) + 1:     # its third step on: that row fails
             return [RowError(r.seq_id, "ValueError", "bad numbers") for r in requests]
         return answers

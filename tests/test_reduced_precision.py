@@ -160,7 +160,8 @@ def test_auto_dtype_is_the_checkpoints_where_the_cpu_computes_it_natively(monkey
 @pytest.mark.parametrize("slowed, expected", [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_auto_dtype_on_a_cpu_runs_in_the_dtype_measured_faster(monkeypatch, slowed, expected):
     """Where both dtypes are exact, 'auto' times both runners at start and keeps the faster:
-    here one dtype's forward is made 20 ms slower, and the replica must run in the other."""
+    here one dtype's forward is made 150 ms slower (far beyond their natural gap: bfloat16 without
+    native kernels ran 13 ms slower than float32 on an AVX2 CPU), and the replica must run in the other."""
     from replicas.engines.huggingface import loading
 
     monkeypatch.setattr(loading, "_cpu_bfloat16", lambda: True)
@@ -168,7 +169,7 @@ def test_auto_dtype_on_a_cpu_runs_in_the_dtype_measured_faster(monkeypatch, slow
 
     def slowed_extend(runner, calls):
         if runner.model.dtype == getattr(torch, slowed):
-            time.sleep(0.02)
+            time.sleep(0.15)
         return extend(runner, calls)
 
     monkeypatch.setattr(ModelRunner, "extend_batch", slowed_extend)
@@ -176,5 +177,5 @@ def test_auto_dtype_on_a_cpu_runs_in_the_dtype_measured_faster(monkeypatch, slow
                                                       for role in ("target", "draft")}})
     engine = huggingface.build("draft", config.models.draft, config.pools.draft, 512)
     scores = engine.describe()["dtype_scores_ms"]
-    assert engine.describe()["dtype"] == expected and scores[slowed] > scores[expected] + 15, scores
+    assert engine.describe()["dtype"] == expected and scores[slowed] > scores[expected] + 100, scores
     assert next(engine.runner.model.parameters()).dtype == getattr(torch, expected)
