@@ -254,9 +254,6 @@ def test_up_on_a_taken_port_says_which_and_who_holds_it_before_starting_ray(tmp_
         port = held.getsockname()[1]
         config = write_config(tmp_path, port)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # HAProxy's stats and metrics ports of its own: the session's test cluster (conftest.py)
-    # holds the ones this process's environment names.
-    env.update({variable: str(free_port()) for variable in HAPROXY_PORT_VARIABLES})
         started = time.monotonic()
         done = subprocess.run([str(SPECSERVE), "up", "--config", str(config), "--port", str(port)],
                               capture_output=True, text=True, env=env, timeout=120)
