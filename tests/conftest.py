@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 from cluster.config import ClusterConfig, ModelSpec, parse_config  # noqa: E402
 from replicas.engines.huggingface.loading import load_causal_lm  # noqa: E402
-from replicas.tokenizer import load_tokenizer
+from replicas.tokenizer import load_tokenizer  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
 from training.tiny_models import UNTRAINED_NOTE, perturbed_copy, save, tiny_llama, train_tokenizer  # noqa: E402
 
@@ -189,8 +189,8 @@ def deploy(ray_serve: str, name: str, config: ClusterConfig) -> str:
 # head): they run first, before the session's Ray and its apps exist. Idle, that Ray takes a
 # quarter of this 2-core machine (about 0.5 cores with its three apps, measured with
 # /proc/stat), which every process of another cluster would compete with.
-OWN_RAY_MODULES = ("test_cli_up.py", "test_multinode.py", "test_ray_job.py", "test_vllm_fresh_start.py",
-                   "test_network_faults.py")
+OWN_RAY_MODULES = ("test_cli_up.py", "test_fresh_start.py", "test_multinode.py", "test_ray_job.py",
+                   "test_vllm_fresh_start.py", "test_network_faults.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
