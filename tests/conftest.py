@@ -20,6 +20,7 @@ from cluster.config import ClusterConfig, ModelSpec, parse_config  # noqa: E402
 from replicas.engines.huggingface.loading import load_causal_lm  # noqa: E402
 from replicas.tokenizer import load_tokenizer  # noqa: E402
 from cluster.ports import free_port  # noqa: E402
+from tests.test_cli_up import HAPROXY_PORT_VARIABLES  # noqa: E402
 from training.tiny_models import UNTRAINED_NOTE, perturbed_copy, save, tiny_llama, train_tokenizer  # noqa: E402
 
 # Draft regimes for the exactness tests and the acceptance they give with the tiny target.
@@ -118,7 +119,7 @@ def ray_serve():
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
     # HAProxy's stats and metrics on ports of its own (the local Ray's processes inherit this
     # environment): a HAProxy left by another cluster on the defaults (8404, 9101) cannot fail it.
-    for variable in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+    for variable in HAPROXY_PORT_VARIABLES:
         os.environ.setdefault(variable, str(free_port()))
     kill_orphaned_haproxy()
     ray.init(address="local", num_cpus=2, logging_level="WARNING", log_to_driver=False,
