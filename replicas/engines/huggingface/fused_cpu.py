@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("fused_cpu.c")
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
-_LANES = 16     # floats a vector holds (fused_cpu.c's LANES)
+_LANES = 16     # the most floats a vector of fused_cpu.c holds (its LANES: 16 on AVX-512, 8 elsewhere)
 assert SCRATCH_SLOT == 0, "fused_cpu.c skips the tokens written to slot 0, the scratch slot"
 
 
