@@ -69,7 +69,7 @@ def deploy(config: ClusterConfig) -> str:
 
     from cluster.app import APP_NAME, build_app, controller_options
 
-    _check_placement(config)
+    unhostable = _check_placement(config)
     compiled = [role for role, spec in config.models.specs().items() if spec.compile == "on"]
     if compiled:
         print(f"  compiling the {' and '.join(compiled)} forward at replica start (models.*.compile: on; "
@@ -79,31 +79,42 @@ def deploy(config: ClusterConfig) -> str:
     # Not blocking: the app serves once the router and the target pool run; the draft pool is
     # optional (requests fall back to the target alone), so it must not hold up the start.
     serve._run(build_app(config), name=APP_NAME, route_prefix="/", _blocking=False)
-    draft_placeable = _wait_until_serving(APP_NAME)
+    _wait_until_serving(APP_NAME)
     url = f"http://{_reachable_host(config.server.host)}:{config.server.port}"
-    _wait_until_ready(url, {"draft"} if draft_placeable and config.models.draft is not None else set())
+    wait_for = set()
+    if config.models.draft is not None:
+        if "draft" in unhostable:
+            print("  the draft pool is not running yet (no node can host a draft replica); requests are "
+                  "served by the target alone until it is", flush=True)
+        else:
+            wait_for.add("draft")     # up only once it answers too (within _wait_until_ready's limit)
+    _wait_until_ready(url, wait_for)
     return url
 
 
 _REQUIRED_POOLS = ("router", "target")
 
 
-def _check_placement(config: ClusterConfig) -> None:
+def _check_placement(config: ClusterConfig) -> set[str]:
     """Say which pool the cluster's nodes cannot host in full, and which resource is missing;
-    stop when the router or the target pool would have no replica at all."""
+    stop when the router or the target pool would have no replica at all. The pools no node
+    can host a replica of."""
     from cluster.placement import alive_nodes, shortfalls
 
+    unhostable = set()
     for shortfall in shortfalls(config, alive_nodes()):
         print(f"  {shortfall.message()}", flush=True)
         if shortfall.placed == 0 and shortfall.pool in _REQUIRED_POOLS:
             raise SystemExit(f"cannot serve: no node can host a {shortfall.pool} replica "
                              f"(pools.{shortfall.pool}.resources in the config, or the cluster's nodes)")
+        if shortfall.placed == 0:
+            unhostable.add(shortfall.pool)
+    return unhostable
 
 
-def _wait_until_serving(app_name: str) -> bool:
+def _wait_until_serving(app_name: str) -> None:
     """Print each deployment's state whenever it changes, until the router and the target
-    pool have a running replica each; say so when the draft pool has none by then. Whether
-    the draft pool may still come (it has replicas, or a placement that may yet run them)."""
+    pool have a running replica each (the draft pool, optional, is waited for by /ready)."""
     from ray import serve
 
     last = None
@@ -121,12 +132,6 @@ def _wait_until_serving(app_name: str) -> bool:
                for name in _REQUIRED_POOLS):
             break
         time.sleep(1.0)
-    draft = deployments.get("draft")
-    if draft is not None and draft.replica_states.get("RUNNING", 0) == 0:
-        print(f"  the draft pool is not running yet ({draft.message or draft.status.value}); requests are "
-              f"served by the target alone until it is", flush=True)
-        return False
-    return draft is not None
 
 
 def _reachable_host(host: str) -> str:

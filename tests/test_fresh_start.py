@@ -5,12 +5,15 @@ up only once every pool answers. The target is a random-weight model of 81 M par
 (cluster/bench/random_model.py), so that its load takes seconds after the router answers.
 
 Five fresh starts in a row (SPECSERVE_FRESH_STARTS to change it): one start that happened to
-be ready before the first request would prove nothing about the others."""
+be ready before the first request would prove nothing about the others. The last of them has
+the slow model as its draft and the bundled target instead: `specserve up` waits for the draft
+pool too, though the target is ready first."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,9 +32,15 @@ def slow_target(tmp_path_factory):
     return make(tmp_path_factory.mktemp("models") / "small", "small")
 
 
-def _config(folder, target) -> dict:
+BUNDLED_TARGET = Path(__file__).resolve().parents[1] / "models" / "target"
+
+
+def _config(folder, slow_model, slow_pool: str) -> dict:
     small = {"resources": {"num_cpus": 0.1}}
-    return {"models": {"target": {"path": str(target)}, "draft": {"path": "m/draft", "placeholder": "draft"}},
+    models = ({"target": {"path": str(slow_model)}, "draft": {"path": "m/draft", "placeholder": "draft"}}
+              if slow_pool == "target" else
+              {"target": {"path": str(BUNDLED_TARGET)}, "draft": {"path": str(slow_model)}})
+    return {"models": models,
             "pools": {"router": small, "draft": small, "target": small},
             "server": {"host": "127.0.0.1", "port": 1, "model_name": "specserve-up-test"},
             "limits": {"max_tokens": 64, "default_max_tokens": 16, "context_length": 512}}
@@ -61,7 +70,8 @@ def test_requests_sent_when_health_answers_are_served_or_refused_fast(slow_targe
                                                                       start):
     import tests.test_cli_up as cli_up
 
-    monkeypatch.setattr(cli_up, "write_config", lambda folder, port, **_: _written(folder, slow_target))
+    slow_pool = "draft" if start == STARTS - 1 and STARTS > 1 else "target"
+    monkeypatch.setattr(cli_up, "write_config", lambda folder, port, **_: _written(folder, slow_target, slow_pool))
     srv = _start_once(tmp_path_factory)
     try:
         response, seconds = _first_answers(srv, time.monotonic() + STARTUP_TIMEOUT_S)
@@ -83,7 +93,7 @@ def test_requests_sent_when_health_answers_are_served_or_refused_fast(slow_targe
         terminate(srv.process)
 
 
-def _written(folder, target):
+def _written(folder, slow_model, slow_pool):
     path = folder / "cluster.yaml"
-    path.write_text(yaml.safe_dump(_config(folder, target), sort_keys=False))
+    path.write_text(yaml.safe_dump(_config(folder, slow_model, slow_pool), sort_keys=False))
     return path
