@@ -53,26 +53,37 @@ class Batcher(Generic[Item, Result]):
         self.waited_s = 0.0           # summed time batches spent waiting for more calls
         self.missed_windows = 0       # batches whose window ran out before what they waited for
         self.isolation_reruns = 0     # failed batches rerun call by call to find the failing ones
-        self._queue: deque[tuple[Item, asyncio.Future]] = deque()
+        self._queue: deque[tuple[Item, asyncio.Future, float]] = deque()   # (call, its answer, arrival)
+        self._queued_s: dict[asyncio.Future, float] = {}   # per call: its wait behind other batches
         self._active: set[Hashable] = set()   # sequences expected to call again
         self._recent_sizes: deque[int] = deque(maxlen=_RECENT_BATCHES)
         self._wakeup = asyncio.Event()        # a call arrived or a sequence was released
         self._consumer: asyncio.Task | None = None
 
     async def submit(self, item: Item) -> Result:
+        return (await self.submit_timed(item))[0]
+
+    async def submit_timed(self, item: Item) -> tuple[Result, float]:
+        """The call's result and the seconds it queued while the worker ran other batches:
+        time the worker was busy, not idle, which the router's cost model must not count as
+        a round's overhead (router/cost_model.py)."""
         if self._consumer is None or self._consumer.done():
             self._consumer = asyncio.create_task(self._consume())
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((item, future))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.append((item, future, loop.time()))
         self._active.add(self.key(item))
         self._wakeup.set()
-        return await future
+        try:
+            return await future, self._queued_s.get(future, 0.0)
+        finally:
+            self._queued_s.pop(future, None)
 
     @property
     def active_sequences(self) -> int:
         """Sequences this batcher is serving: calls queued or running, and the sequences
         expected to call again (the signal the pool autoscales on)."""
-        return len(self._active | {self.key(item) for item, _ in self._queue})
+        return len(self._active | {self.key(item) for item, _, _ in self._queue})
 
     def release(self, key: Hashable) -> None:
         """The sequence is finished: batches stop waiting for it."""
@@ -121,14 +132,17 @@ class Batcher(Generic[Item, Result]):
         keys: set[Hashable] = set()
         while True:
             while self._queue and len(batch) < self.max_batch_size:
-                batch.append(self._queue.popleft())
-                keys.add(self.key(batch[-1][0]))
+                item, future, arrived = self._queue.popleft()
+                if arrived < opened:    # it came while the worker ran an earlier batch
+                    self._queued_s[future] = opened - arrived
+                batch.append((item, future))
+                keys.add(self.key(item))
             if len(batch) == self.max_batch_size or self._complete(keys, len(batch)):
                 break
             remaining = deadline - loop.time()
             if remaining <= 0 or not await self._wait_for_wakeup(remaining):
                 # Missed the window: wait for those again only once they call again.
-                self._active = keys | {self.key(item) for item, _ in self._queue}
+                self._active = keys | {self.key(item) for item, _, _ in self._queue}
                 self.missed_windows += 1
                 break
         self.waited_s += loop.time() - opened

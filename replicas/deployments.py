@@ -81,14 +81,16 @@ class _ModelReplica:
         """The calls a router gathered; they join the batch of every other router's calls.
         A call that fails is answered with a RowError in its place, not by failing the others.
         Each answer says how long the call spent in this replica (batch windows, queueing,
-        the engine), which the router sets against the call's wall time."""
+        the engine), which the router sets against the call's wall time, and how much of
+        that it queued behind other batches."""
         arrived = time.perf_counter()
         self.lookahead_calls += sum(getattr(request, "lookahead", False) for request in requests)
-        results = await asyncio.gather(*(self.batcher.submit(request) for request in requests),
+        results = await asyncio.gather(*(self.batcher.submit_timed(request) for request in requests),
                                        return_exceptions=True)
         replica_ms = (time.perf_counter() - arrived) * 1000
+        queued_ms = max((each[1] for each in results if isinstance(each, tuple)), default=0.0) * 1000
         return [RowError.of(request.seq_id, result) if isinstance(result, Exception)
-                else dataclasses.replace(result, replica_ms=replica_ms)
+                else dataclasses.replace(result[0], replica_ms=replica_ms, queued_ms=queued_ms)
                 for request, result in zip(requests, results)]
 
     async def channel_address(self) -> tuple[str, int]:

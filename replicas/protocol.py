@@ -46,6 +46,7 @@ class Proposal:
     model_ms: float                   # wall time of the replica's batched propose
     steps: int = 0                    # draft forward passes that batched propose ran
     replica_ms: float = 0.0           # from the call's arrival at the replica to its answer
+    queued_ms: float = 0.0            # of which queued while the replica's engine ran other batches
     batch: BatchCost | None = None  # the batched call's passes, for the router's cost model
 
 
@@ -85,6 +86,7 @@ class Verification:
     model_ms: float            # wall time of the replica's batched verify
     batch_positions: int = 0   # positions that forward pass computed, over all its sequences
     replica_ms: float = 0.0    # from the call's arrival at the replica to its answer
+    queued_ms: float = 0.0     # of which queued while the replica's engine ran other batches
     logprobs: tuple[TokenLogprobs, ...] | None = None          # one per token, when asked
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None   # one per token of tokens[1:], when asked
     batch: BatchCost | None = None   # the batched call's passes, for the router's cost model

@@ -7,7 +7,12 @@ Terms (a router's sequences verify together: the target pool batches their calls
 - offer: what a sequence could verify this round: its lookup drafts (and the length of the
   match they came from) and whether the draft pool may draft for it.
 - E_i(k): sequence i's expected tokens from a window of k drafts (router/goodput.py: its own
-  keep chances, with its source's pooled chances as prior).
+  keep chances, with its source's pooled chances as prior). Greedy and sampled sequences
+  pool apart: a sampled draft is kept with the target's probability of it, a greedy one
+  whenever it is the target's top token, so on the same text they keep at different rates
+  (the bench's suffix drafts, 2026-12-04: 56 % greedy, 14-24 % sampled); pooled together,
+  a sampled sequence would start from the greedy rounds' chances and draft until its own
+  rounds said otherwise.
 - steps S: forward passes a verify call runs: the window's, then S - 1 single-token steps on
   every row (the target alone's next tokens). Every row of the batch takes the same S: the
   batch waits for its longest call, so a row that stopped early would only wait.
@@ -101,6 +106,7 @@ class Plan:
 class _Sequence:
     keep: dict[str, SequenceKeep]
     index: int = 0                 # its order of arrival at this router
+    sampled: bool = False          # its keep chances pool with the other sampled sequences'
     context: int = 0
     offer: Offer = Offer()            # its last round's: what the next plan prices it with
 
@@ -120,7 +126,7 @@ class GoodputController:
         self.max_k, self.min_k, self.max_steps = max_k, min_k, max(1, max_steps)
         self.explore_every = explore_every
         self.costs = RoundCosts()
-        self._pooled: dict[tuple[str, int], KeepChances] = {}
+        self._pooled: dict[tuple[str, bool, int], KeepChances] = {}   # (source, sampled, match bucket)
         self._sequences: dict[str, _Sequence] = {}
         self._plan: Plan | None = None
         self._rounds_since_plan = 0
@@ -140,10 +146,10 @@ class GoodputController:
 
     # sequences ---------------------------------------------------------------------------
 
-    def begin(self, seq_id: str) -> None:
+    def begin(self, seq_id: str, sampled: bool = False) -> None:
         self._arrivals += 1
         self._sequences[seq_id] = _Sequence({source: SequenceKeep(self.max_k) for source in (POOL, *LOOKUP_SOURCES)},
-                                            self._arrivals)
+                                            self._arrivals, sampled)
 
     def end(self, seq_id: str) -> None:
         self._sequences.pop(seq_id, None)
@@ -165,8 +171,8 @@ class GoodputController:
         if self._explores(plan, seq) or self.min_k > 0:
             return True
         keep = seq.keep[source]
-        best = max((keep.first_chance(pooled.optimistic()[0]) for (each, _), pooled in self._pooled.items()
-                    if each == source), default=keep.first_chance(1.0))
+        best = max((keep.first_chance(pooled.optimistic()[0]) for (each, sampled, _), pooled in self._pooled.items()
+                    if each == source and sampled == seq.sampled), default=keep.first_chance(1.0))
         return best > plan.rate * self._draft_ms(context, source == POOL)
 
     def choose(self, seq_id: str, offer: Offer, context: int, cap: int, method: str = "") -> Choice:
@@ -196,13 +202,13 @@ class GoodputController:
         """The verify call's steps for a round whose k was fixed by its request."""
         return max(1, min(self._current_plan().steps, cap + 1 - k))
 
-    def overlap_pays(self, k: int) -> bool:
+    def overlap_pays(self, seq_id: str, k: int) -> bool:
         """Whether drafting the next window during this one's verify (router/lookahead.py) is
         expected to pay: the draft call it saves when the whole window and the guess hold
         (h_1 ... h_k h_(k+1) of the pool's pooled chances), against OVERLAP_MARGIN of the
         round. It does not price the lookahead's own draft work, which on machines where the
         pools share cores slows the verify beside it (docs/BENCHMARKS.md)."""
-        chances = self._pooled_chances(POOL, 0).chances()
+        chances = self._pooled_chances(POOL, 0, self._sequence(seq_id).sampled).chances()
         hit = math.prod(chances[:k + 1])
         draft = self.costs.draft.predict(PassShape(self.in_flight or 1, self.in_flight or 1, 0.0))
         saved = hit * (k * draft + self.costs.coordination_ms(True) - self.costs.coordination_ms(False))
@@ -231,7 +237,7 @@ class GoodputController:
         return [_Option(source, k, curve[k] - 1.0, k * per_draft) for k in range(1, limit + 1)]
 
     def _curve(self, seq: _Sequence, source: str, match: int, limit: int) -> list[float]:
-        prior = self._pooled_chances(source, match).optimistic()[:limit]
+        prior = self._pooled_chances(source, match, seq.sampled).optimistic()[:limit]
         return expected_curve(seq.keep[source].chances(prior))
 
     def _draft_ms(self, context: int, pool: bool) -> float:
@@ -308,7 +314,7 @@ class GoodputController:
         self._rounds_since_plan += 1
         seq = self._sequences.get(seq_id)
         if drafted and source is not None:
-            self._pooled_chances(source, match).observe(drafted, accepted)
+            self._pooled_chances(source, match, seq is not None and seq.sampled).observe(drafted, accepted)
         if seq is None:
             return
         for each, keep in seq.keep.items():
@@ -330,11 +336,11 @@ class GoodputController:
         model = self.costs.target if pool == "target" else self.costs.draft
         model.anchor_on([(PassShape(rows, positions, attention), ms) for rows, positions, attention, ms in passes])
 
-    def _pooled_chances(self, source: str, match: int) -> KeepChances:
+    def _pooled_chances(self, source: str, match: int, sampled: bool) -> KeepChances:
         bucket = 0 if source == POOL else min(max(match, 1), _MATCH_BUCKETS)
-        keep = self._pooled.get((source, bucket))
+        keep = self._pooled.get((source, sampled, bucket))
         if keep is None:
-            keep = self._pooled[(source, bucket)] = KeepChances(self.max_k)
+            keep = self._pooled[(source, sampled, bucket)] = KeepChances(self.max_k)
         return keep
 
     def _sequence(self, seq_id: str) -> _Sequence:
@@ -355,9 +361,9 @@ class GoodputController:
                 "tokens_per_s": round(plan.rate * 1000, 1), "steps": plan.steps, "draft_call": plan.draft_call,
                 "rows": plan.rows, "mean_k": round(plan.mean_k, 2), "predicted_round_ms": round(plan.predicted_ms, 2)},
             "k_by_method": {method: dict(sorted(counts.items())) for method, counts in sorted(by_method.items())},
-            "keep_chances": {f"{source}" + (f"/match{bucket}" if source != POOL else ""):
+            "keep_chances": {f"{source}" + ("/sampled" if sampled else "") + (f"/match{bucket}" if source != POOL else ""):
                              [round(h, 3) for h in keep.chances()]
-                             for (source, bucket), keep in sorted(self._pooled.items())},
+                             for (source, sampled, bucket), keep in sorted(self._pooled.items())},
             "costs": self.costs.describe(), "round_ms": self.costs.round_ms(),
             "settling": {"load_changes": self.load_changes, "settling_now": self._settling,
                          "rounds_to_settle": list(self.rounds_to_settle)},

@@ -99,6 +99,16 @@ class RoundOutcome:
         """Engine time of the round's calls."""
         return self.verdict.model_ms + (self.proposal.model_ms if self.proposal is not None else 0.0)
 
+    @property
+    def busy_ms(self) -> float:
+        """Time the round's replicas were busy with it or with other batches it queued behind:
+        with more sequences than one batch holds, a round's wait for the engine is the other
+        batches' engine time, which the controller must not price as the round's own overhead
+        (it then thought drafts cheap next to it: k 3 at 32 clients, 0.85x the target alone,
+        docs/BENCHMARKS.md)."""
+        queued = self.verdict.queued_ms + (self.proposal.queued_ms if self.proposal is not None else 0.0)
+        return self.model_ms + queued
+
 
 @dataclass
 class SpeculationStats:
@@ -282,7 +292,7 @@ class SpeculationLoop:
                              StopStringFilter(gen.stop, keep=gen.include_stop), gen.ends_on(self.eos_token_ids))
         self.gatherer.begin(lane, seq_id)
         self._running.add(seq_id)
-        self.control.begin(seq_id)
+        self.control.begin(seq_id, sampled=not gen.sampling.greedy)
         ahead = _Ahead()
         chunks = (self._engine_rounds(seq_id, gen, stats) if self.engine_rounds
                   else self._rounds(lane, seq_id, tokens, gen, stats, ahead))
@@ -347,7 +357,7 @@ class SpeculationLoop:
             self.client.release(lane, seq_id, "draft")
         self._anchor_costs()
         choice, offer = self._choose(seq_id, tokens, gen, cap)
-        overlap = self._overlap(gen, choice)
+        overlap = self._overlap(seq_id, gen, choice)
         ready = await self._drafts_ahead(ahead, choice.k if choice.source == POOL else 0, stats)
         if ready is not None:   # drafted off this round's path
             drafted = _Drafted(POOL, ready.tokens, ready.probs)
@@ -389,11 +399,11 @@ class SpeculationLoop:
                                    may=lambda source: self.control.may_draft(seq_id, source, len(tokens)))
         return self.control.choose(seq_id, offer, len(tokens), cap, gen.method), offer
 
-    def _overlap(self, gen: Generation, choice: Choice) -> bool:
+    def _overlap(self, seq_id: str, gen: Generation, choice: Choice) -> bool:
         """Whether this round drafts the next window while it is verified (router/lookahead.py)."""
         if choice.source != POOL or choice.k == 0:
             return False
-        return self.control.overlap_pays(choice.k) if gen.overlap == "auto" else bool(gen.overlap)
+        return self.control.overlap_pays(seq_id, choice.k) if gen.overlap == "auto" else bool(gen.overlap)
 
     def _record(self, seq_id: str, stats: SpeculationStats, outcome: RoundOutcome) -> None:
         """The round's outcome, once: the request's stats, the controller, the metrics."""
@@ -412,7 +422,7 @@ class SpeculationLoop:
             control.observe_passes("target", verdict.batch.batch_id, verdict.batch.passes)
         if proposal is not None and proposal.batch is not None:
             control.observe_passes("draft", proposal.batch.batch_id, proposal.batch.passes)
-        control.observe_timing(proposal is not None, outcome.round_ms, outcome.model_ms, outcome.predicted_ms)
+        control.observe_timing(proposal is not None, outcome.round_ms, outcome.busy_ms, outcome.predicted_ms)
 
     def _anchor_costs(self) -> None:
         """The pools' start-up passes, once each, fetched in the background (a fresh context:

@@ -54,6 +54,7 @@ class SimSequence:
     method: str = "draft_model"     # or "ngram": lookup drafts offered, `lookup_len` of them
     lookup_len: int = 8
     context: int = 128
+    sampled: bool = False           # its chances pool with the other sampled sequences'
 
 
 @dataclass
@@ -78,14 +79,14 @@ class Simulation:
                                           for r, p in shapes])
         self.controller.anchor("draft", [(r, p, 0.0, self._noisy(self.hardware.draft_ms(r), 0.5)) for r, p in shapes])
         for seq in self.sequences:
-            self.controller.begin(seq.seq_id)
+            self.controller.begin(seq.seq_id, seq.sampled)
 
     def set_sequences(self, sequences: list[SimSequence]) -> None:
         for seq in self.sequences:
             self.controller.end(seq.seq_id)
         self.sequences = sequences
         for seq in sequences:
-            self.controller.begin(seq.seq_id)
+            self.controller.begin(seq.seq_id, seq.sampled)
 
     def _noisy(self, ms: float, share: float = 1.0) -> float:
         noise = self.noise * share

@@ -47,6 +47,23 @@ def test_calls_queued_behind_a_busy_model_run_as_one_batch():
     assert sizes == [1, 4, 2]  # then up to max_batch_size at a time, in arrival order
 
 
+def test_a_call_says_how_long_it_queued_behind_another_batch():
+    """What the router's cost model subtracts from a round's overhead: time the model was busy
+    with other calls, not idle."""
+    async def scenario() -> tuple[float, float, float]:
+        batcher = _recording_batcher([], max_batch_size=4, wait_s=0.0, busy_s=0.2)
+        first = asyncio.create_task(batcher.submit_timed(("s0", 0)))
+        await asyncio.sleep(0.05)                   # the first call is running alone
+        (_, first_queued), (value, second_queued) = await asyncio.gather(first, batcher.submit_timed(("s1", 1)))
+        assert value == 1
+        _, idle_queued = await batcher.submit_timed(("s2", 2))     # nothing running: no queueing
+        return first_queued, second_queued, idle_queued
+
+    first, second, idle = asyncio.run(scenario())
+    assert first < 0.02 and idle < 0.02
+    assert 0.1 <= second <= 0.25                    # the rest of the first call's 0.2 s
+
+
 def test_a_failing_call_fails_alone_and_the_batcher_goes_on():
     batches = []
 

@@ -128,6 +128,23 @@ def test_a_load_change_settles_within_50_rounds_and_the_controller_says_so():
     assert all(rounds <= SETTLE for rounds in settling["rounds_to_settle"]), settling
 
 
+def test_sampled_sequences_do_not_start_from_the_greedy_ones_keep_chances():
+    """Short requests, half greedy keeping most drafts, half sampled keeping few, side by side:
+    each new sampled sequence starts from the sampled rounds' chances (few of its own rounds
+    cannot outweigh a prior pooled with the greedy ones), and the greedy go on drafting."""
+    sim = simulation(memory_bound(), 0, 0.9)
+    ks: dict[bool, list[int]] = {False: [], True: []}
+    for life in range(40):             # every sequence lives four rounds, then a fresh one comes
+        sim.set_sequences([SimSequence(f"g{life}-{i}", 0.9) for i in range(4)] +
+                          [SimSequence(f"s{life}-{i}", 0.05, sampled=True) for i in range(4)])
+        sim.run(4)
+        if life >= 20:
+            for seq in sim.sequences:
+                ks[seq.sampled] += sim.ks(seq.seq_id, 4)
+    assert statistics.mean(ks[True]) <= 1.0, statistics.mean(ks[True])
+    assert statistics.mean(ks[False]) >= 4, statistics.mean(ks[False])
+
+
 def test_lookup_offers_bound_k_and_are_free_of_a_draft_call():
     sim = simulation(compute_bound(), 4, 0.95, method="ngram", lookup_len=3)
     sim.run(60)
