@@ -13,7 +13,17 @@ Terms:
   hops, serialization, batch windows, queueing. Measured per round kind (with a draft call
   or without), as an average with forgetting.
 
-Why least squares on four terms rather than a table over shape buckets: the choice of k
+The target's model has no per-row term: a row costs through its positions. Most of the
+target's passes are single-token steps, where rows and positions are the same number, so
+the passes cannot tell a per-row cost from a per-position one, and a fit free to choose
+put the step's cost on rows (measured 2026-12-05 at 32 clients: per row 0.38 ms, per
+position 0.05 ms) and so priced a draft's position at a fifth of what the batch then paid
+for it (0.85 ms a position in the window pass; docs/BENCHMARKS.md). On a CPU a position is
+the cost, as the engine bench shows (8 rows x 5 positions cost 3.8x 8 x 1); on a GPU both
+are small beside the fixed cost. The draft pool's passes keep the per-row term (a draft
+adds a row to each of its passes).
+
+Why least squares on few terms rather than a table over shape buckets: the choice of k
 must price shapes it is not running now (at k = 0 every verify has one position per row,
 yet the controller must know what k = 2 would cost), so the model has to extrapolate, and
 a linear model in these terms extrapolates the way the hardware does.
@@ -34,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 
 _TERMS = ("fixed", "per_row", "per_position", "per_kilo_attention")
+ROW_FREE = (0, 2, 3)      # the target's terms: no per-row cost
 _FORGET = 0.98            # weight of the past, per pass observed: about the last 50 passes count
 _FORGET_SLOW = 0.998      # the slow fit's: about the last 500
 # Ridge pull towards the anchor, in passes' worth of evidence per term. Anchoring a
@@ -66,10 +77,11 @@ def attention_work(new_and_context: list[tuple[int, int]]) -> float:
 class PassCost:
     """ms of one pass of a pool's engine as a function of its shape, fitted online."""
 
-    def __init__(self, anchor: tuple[float, ...] = _GENERIC_ANCHOR):
-        self._fast = _Sums(_FORGET)
-        self._slow = _Sums(_FORGET_SLOW)
-        self._anchor = list(anchor)
+    def __init__(self, anchor: tuple[float, ...] = _GENERIC_ANCHOR, terms: tuple[int, ...] = (0, 1, 2, 3)):
+        self._terms = terms       # which of _TERMS the fit uses; the rest stay at zero
+        self._fast = _Sums(_FORGET, terms)
+        self._slow = _Sums(_FORGET_SLOW, terms)
+        self._anchor = [anchor[i] for i in terms]
         self._theta: list[float] | None = None
         self.passes = 0
         self.error = _Average(_COORDINATION_EMA)     # |log(measured / predicted)| before each pass is added
@@ -77,7 +89,7 @@ class PassCost:
     def anchor_on(self, shapes: list[tuple[PassShape, float]]) -> None:
         """The replica's start-up passes: a fit of them becomes the slow fit's anchor, and
         they count as passes too."""
-        start = _Sums(1.0)
+        start = _Sums(1.0, self._terms)
         start.add(shapes)
         self._anchor = start.solve(self._anchor, 1e-3)
         self.observe_all(shapes)
@@ -100,9 +112,13 @@ class PassCost:
 
     @property
     def theta(self) -> list[float]:
+        """The coefficients of all four of _TERMS (zero where the model does not use a term)."""
         if self._theta is None:
             slow = self._slow.solve(self._anchor, _ANCHOR_STRENGTH)
-            self._theta = self._fast.solve(slow, _ANCHOR_STRENGTH)
+            theta = [0.0] * len(_TERMS)
+            for i, c in zip(self._terms, self._fast.solve(slow, _ANCHOR_STRENGTH)):
+                theta[i] = c
+            self._theta = theta
         return self._theta
 
     def predict(self, shape: PassShape) -> float:
@@ -116,19 +132,22 @@ class PassCost:
 class _Sums:
     """The normal equations of a least-squares fit with forgetting: sum w x x^T and sum w x y."""
 
-    def __init__(self, forget: float):
-        self.forget = forget
-        self.xx = [[0.0] * 4 for _ in range(4)]
-        self.xy = [0.0] * 4
+    def __init__(self, forget: float, terms: tuple[int, ...]):
+        self.forget, self.terms = forget, terms
+        n = len(terms)
+        self.xx = [[0.0] * n for _ in range(n)]
+        self.xy = [0.0] * n
 
     def add(self, passes: list[tuple[PassShape, float]]) -> None:
         xx, xy, forget = self.xx, self.xy, self.forget
+        n = len(self.terms)
         for shape, ms in passes:
-            x = shape.terms()
-            for i in range(4):
+            every = shape.terms()
+            x = [every[i] for i in self.terms]
+            for i in range(n):
                 xy[i] = forget * xy[i] + x[i] * ms
                 row = xx[i]
-                for j in range(4):
+                for j in range(n):
                     row[j] = forget * row[j] + x[i] * x[j]
 
     def solve(self, anchor: list[float], strength: float) -> list[float]:
@@ -152,7 +171,7 @@ class _Average:
 class RoundCosts:
     """Everything a round's time is made of: the target's and the draft pool's passes, and
     the coordination of a round with a draft call and without."""
-    target: PassCost = field(default_factory=PassCost)
+    target: PassCost = field(default_factory=lambda: PassCost(terms=ROW_FREE))
     draft: PassCost = field(default_factory=PassCost)
     coordination: dict[bool, _Average] = field(default_factory=lambda: {True: _Average(_COORDINATION_EMA),
                                                                          False: _Average(_COORDINATION_EMA)})
@@ -205,7 +224,7 @@ def _solve(xx: list[list[float]], xy: list[float], anchor: list[float], strength
     square), so the pull is `strength` passes' worth of the data's own spread: negligible
     along a term the passes vary in, decisive along one they do not. The fixed cost is not
     pulled: it takes whatever level the slopes leave."""
-    free = [0, 1, 2, 3]
+    free = list(range(len(xy)))
     while True:
         theta = _ridge(xx, xy, anchor, strength, free)
         negative = [i for i in free if theta[i] < 0]
@@ -215,7 +234,7 @@ def _solve(xx: list[list[float]], xy: list[float], anchor: list[float], strength
 
 
 def _ridge(xx, xy, anchor, strength, free: list[int]) -> list[float]:
-    theta = [0.0] * 4
+    theta = [0.0] * len(xy)
     if not free:
         return theta
     weight = xx[0][0]
