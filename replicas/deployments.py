@@ -89,9 +89,11 @@ class _ModelReplica:
                                        return_exceptions=True)
         replica_ms = (time.perf_counter() - arrived) * 1000
         queued_ms = max((each[1] for each in results if isinstance(each, tuple)), default=0.0) * 1000
-        return [RowError.of(request.seq_id, result) if isinstance(result, Exception)
-                else dataclasses.replace(result[0], replica_ms=replica_ms, queued_ms=queued_ms)
-                for request, result in zip(requests, results)]
+        # A row the engine failed comes back as a RowError result, not a raised one.
+        answers = [each[0] if isinstance(each, tuple) else each for each in results]
+        return [RowError.of(request.seq_id, answer) if isinstance(answer, Exception)
+                else dataclasses.replace(answer, replica_ms=replica_ms, queued_ms=queued_ms)
+                for request, answer in zip(requests, answers)]
 
     async def channel_address(self) -> tuple[str, int]:
         """Where this replica takes direct calls (replicas/direct_channel.py); a router asks
