@@ -19,19 +19,23 @@ Per row j, for a token t:
 - repetition_penalty r: where t is in the row's prompt or output, l_t / r if l_t > 0 else l_t * r.
 - frequency_penalty f, presence_penalty a: l_t - f * c_t - a * [c_t > 0], c_t the count of t
   in the row's output.
+- grammar: l_t = -inf for t the grammar does not allow after the row's output
+  (replicas/grammar.py), last, so that no bias or penalty brings a forbidden token back.
 """
 
 from __future__ import annotations
 
 import torch
 
+from replicas.grammar import GrammarMasks
 from replicas.sampling import SamplingParams
 
 
 def adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: list[int],
-                    prompt_len: int) -> torch.Tensor:
+                    prompt_len: int, grammars: GrammarMasks | None = None) -> torch.Tensor:
     """logits [n, V] of the last n positions of `history` -> the adjusted logits [n, V]
-    (float32; the input itself when the request adjusts nothing)."""
+    (float32; the input itself when the request adjusts nothing). `grammars`: the engine's
+    masks, for a request with a grammar."""
     if not params.adjusts:
         return logits
     n, vocab = logits.shape
@@ -56,6 +60,11 @@ def adjusted_logits(logits: torch.Tensor, params: SamplingParams, history: list[
             penalised = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
             out = torch.where(seen, penalised, out)
         out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.grammar is not None:
+        if grammars is None:
+            raise ValueError("this engine applies no grammar")
+        allowed = grammars.rows(params.grammar, history[prompt_len:first], window, vocab, device)
+        out = out.masked_fill(~allowed, float("-inf"))
     return out
 
 

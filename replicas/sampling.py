@@ -42,6 +42,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     min_tokens: int = 0               # until the output holds this many, `stop_ids` are masked
     stop_ids: tuple[int, ...] = ()    # EOS and the request's stop token ids
+    grammar: str | None = None        # llguidance grammar the output must follow (replicas/grammar.py)
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +52,7 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether the logits are adjusted before they are warped."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or (self.min_tokens and self.stop_ids))
+                    or self.logit_bias or (self.min_tokens and self.stop_ids) or self.grammar)
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -18,6 +18,7 @@ from replicas.sampling import SAMPLING_EPS, SamplingParams
 from router.errors import bad_request, model_not_found
 from router.openai_protocol import ChatBody, ChatMessage, CompletionBody, _GenerationBody
 from router.speculation import Generation
+from router.structured_outputs import GrammarCompiler
 
 # Used when the tokenizer has no chat template of its own.
 PLAIN_CHAT_TEMPLATE_DOC = "each message as '<role>: <content>\\n', then 'assistant:'"
@@ -50,6 +51,7 @@ class Admission:
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.max_prompt_chars = config.limits.context_length * longest_token_chars(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer)
 
     def completion(self, body: CompletionBody) -> list[Generation]:
         """A Generation per choice, prompt by prompt, n each (the order of the choices' index)."""
@@ -133,8 +135,12 @@ class Admission:
         if bias and self.config.pools.target.engine == "vllm":
             raise bad_request("logit_bias is not served with the vLLM target engine: vLLM 0.32 refuses it under "
                               "speculative decoding.", "logit_bias")
+        grammar = self.grammars.grammar(body)
+        if grammar is not None and self.config.pools.target.engine == "vllm":
+            raise bad_request("Structured outputs are not served with the vLLM target engine yet.",
+                              "response_format")
         ends = set(stop_ids) | (set() if body.ignore_eos else self.eos_token_ids)
-        sampling = _sampling(body, bias, tuple(sorted(ends)))
+        sampling = _sampling(body, bias, tuple(sorted(ends)), grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         return [Generation(
             prompt_ids=list(prompt_ids),
@@ -180,10 +186,11 @@ class Admission:
         return {"k": fixed or spec.k, "adaptive": spec.adaptive and fixed is None, "overlap": overlap, "method": method}
 
 
-def _sampling(body: _GenerationBody, bias: tuple[tuple[int, float], ...], ends: tuple[int, ...]) -> SamplingParams:
+def _sampling(body: _GenerationBody, bias: tuple[tuple[int, float], ...], ends: tuple[int, ...],
+              grammar: str | None) -> SamplingParams:
     # A temperature too small to divide logits by safely is greedy (as in vLLM).
     temperature = 0.0 if body.temperature < SAMPLING_EPS else body.temperature
     return SamplingParams(temperature, body.top_p, max(body.top_k, 0),
                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                           repetition_penalty=body.repetition_penalty, logit_bias=bias,
-                          min_tokens=body.min_tokens, stop_ids=ends if body.min_tokens else ())
+                          min_tokens=body.min_tokens, stop_ids=ends if body.min_tokens else (), grammar=grammar)

@@ -34,6 +34,29 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = Field(False, description="vLLM: usage so far in every chunk too.")
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the output follows.")
+    strict: bool | None = Field(None, description="Accepted; the output always follows the schema.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured outputs: one of json, regex, choice, grammar, json_object."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="GBNF (llama.cpp's) or Lark.")
+    json_object: bool | None = None
+    disable_any_whitespace: bool = Field(True, description="False: JSON may hold whitespace between tokens "
+                                                           "(vLLM's default; compact here).")
+
+
 class _GenerationBody(_Body):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -57,6 +80,12 @@ class _GenerationBody(_Body):
     stop_token_ids: list[int] | None = Field(None, description="vLLM: token ids that end the output.")
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older spelling of structured_outputs.")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod

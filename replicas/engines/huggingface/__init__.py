@@ -13,6 +13,7 @@ import torch
 
 from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.engines.huggingface.engine import DraftEngine, Runner, TargetEngine
+from replicas.grammar import GrammarMasks
 
 __all__ = ["DraftEngine", "TargetEngine", "build"]
 
@@ -26,7 +27,14 @@ def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConf
         runner = _exact(runner, spec, pool, max_seq_len)
     if _auto_may_take_float32(spec, pool, runner):
         runner = _faster_of(runner, _runner(_float32(spec), pool, max_seq_len), pool.batching.max_batch_size)
-    return (DraftEngine if role == "draft" else TargetEngine)(runner)
+    return (DraftEngine if role == "draft" else TargetEngine)(runner, _grammar_masks(spec))
+
+
+def _grammar_masks(spec: ModelSpec) -> GrammarMasks | None:
+    """Structured outputs' masks over the model's vocabulary, from the tokenizer in its folder
+    (a draft folder may have none: it then drafts unmasked)."""
+    has_tokenizer = any((spec.path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    return GrammarMasks(spec.path) if has_tokenizer else None
 
 
 def _exact(runner: Runner, spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> Runner:

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from replicas.engines.huggingface.kv_cache import KVCacheStore
+from replicas.grammar import GrammarMasks
 from replicas.logits_processing import adjusted_logits
 from replicas.logprobs import token_logprobs
 from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
@@ -51,15 +52,16 @@ def _dtype_name(runner: Runner) -> str | None:
 
 
 class _Engine:
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: Runner, grammars: GrammarMasks | None = None):
         self.runner = runner
+        self.grammars = grammars   # a request's grammar as masks (None: a folder without a tokenizer)
         self._batch_ids = (f"{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
 
     @classmethod
     def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
-                 compiled: bool = False, fused_cpu: bool = False):
+                 compiled: bool = False, fused_cpu: bool = False, grammars: GrammarMasks | None = None):
         """The engine over one in-process model (tests, offline measurement)."""
-        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu))
+        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu), grammars)
 
     def release(self, seq_id: str) -> None:
         """The sequence has finished (the router says so)."""
@@ -134,8 +136,13 @@ class DraftEngine(_Engine):
                                             fed[i], mean_rows, model_ms, steps=len(batch_rows), batch=batch)
                 for i in range(len(requests))]
 
-    @staticmethod
-    def _choose(active: list[int], extensions: list[Extension], requests: list[ProposeRequest], generators,
+    def _draft_sampling(self, sampling):
+        """The draft follows the request's grammar where it can (its q then wastes no mass on
+        tokens the target's masked p rejects); without a tokenizer of its own it drafts
+        unmasked, which the acceptance rule keeps exact."""
+        return sampling if self.grammars is not None or sampling.grammar is None else replace(sampling, grammar=None)
+
+    def _choose(self, active: list[int], extensions: list[Extension], requests: list[ProposeRequest], generators,
                 rows: list[list[torch.Tensor]], failures: dict[int, RowError],
                 histories: list[list[int]]) -> dict[int, int]:
         """This step's draft token of each active request, from its logits adjusted by its
@@ -145,7 +152,8 @@ class DraftEngine(_Engine):
         logits = {}
         for i, extension, history in zip(active, extensions, histories):
             try:
-                logits[i] = adjusted_logits(extension.logits, requests[i].sampling, history, requests[i].prompt_len)
+                logits[i] = adjusted_logits(extension.logits, self._draft_sampling(requests[i].sampling), history,
+                                            requests[i].prompt_len, self.grammars)
             except Exception as exc:  # noqa: BLE001 - this row alone fails
                 failures[i] = RowError.of(requests[i].seq_id, exc)
         greedy = [i for i in logits if requests[i].sampling.greedy]
@@ -234,7 +242,7 @@ class TargetEngine(_Engine):
             if bad:
                 outcomes[i] = NonFiniteDistribution("the target model's logits hold NaN")
         # p of every position of the window, from the sequence's tokens up to it, drafts included
-        logits = [adjusted_logits(rows, r.sampling, list(r.tokens) + list(r.draft_tokens), r.prompt_len)
+        logits = [adjusted_logits(rows, r.sampling, list(r.tokens) + list(r.draft_tokens), r.prompt_len, self.grammars)
                   for rows, r in zip(logits, requests)]
         greedy = [i for i, r in enumerate(requests) if r.sampling.greedy and outcomes[i] is None]
         for i, choices in zip(greedy, _argmax_rows([logits[i] for i in greedy])):
