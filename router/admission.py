@@ -19,6 +19,7 @@ from router.errors import bad_request, model_not_found
 from router.openai_protocol import ChatBody, ChatMessage, CompletionBody, _GenerationBody
 from router.speculation import Generation
 from router.structured_outputs import GrammarCompiler
+from router.tool_calls import render_tools
 
 # Used when the tokenizer has no chat template of its own.
 PLAIN_CHAT_TEMPLATE_DOC = "each message as '<role>: <content>\\n', then 'assistant:'"
@@ -80,13 +81,16 @@ class Admission:
         self._check_sizes(body, sum(len(m.text()) for m in body.messages), "messages")
         if self.tokenizer.chat_template:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                        add_generation_prompt=True)
         else:
-            prompt = plain_chat_prompt(body.messages)
+            prompt = (render_tools(body.tools) if body.tools else "") + plain_chat_prompt(body.messages)
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         max_param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         return self._generations(body, prompt_ids, body.requested_max_tokens(), "messages", max_param,
-                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                 tools=self.grammars.tools(body))
 
     def _check_model(self, name: str) -> None:
         if name != self.config.server.model_name:
@@ -117,7 +121,8 @@ class Admission:
     def _generations(self, body: _GenerationBody, prompt_ids: list[int], max_tokens: int | None,
                      prompt_param: str, max_param: str = "max_tokens", logprobs: int | None = None,
                      prompt_logprobs: int | None = None, echo: str | None = None,
-                     choices: int | None = None) -> list[Generation]:
+                     choices: int | None = None, tools: str | None = None) -> list[Generation]:
+        """tools: the grammar of a chat request's tool choice (router/tool_calls.py)."""
         limits = self.config.limits
         if not prompt_ids:
             raise bad_request("The prompt is empty.", prompt_param)
@@ -136,6 +141,10 @@ class Admission:
             raise bad_request("logit_bias is not served with the vLLM target engine: vLLM 0.32 refuses it under "
                               "speculative decoding.", "logit_bias")
         grammar = self.grammars.grammar(body)
+        if grammar is not None and tools is not None:
+            raise bad_request("A request with a tool choice takes no other output constraint; use tool_choice "
+                              "'none' or drop the constraint.", "tool_choice")
+        grammar = grammar or tools
         if grammar is not None and self.config.pools.target.engine == "vllm":
             raise bad_request("Structured outputs are not served with the vLLM target engine yet.",
                               "response_format")

@@ -163,15 +163,53 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str = Field(description="The call's arguments as JSON text.")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's earlier calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        """The message as the model sees it: its content, then any calls it made."""
+        from router.tool_calls import render_call
+        if self.content is None:
+            content = ""
+        else:
+            content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return content + "".join(render_call(call) for call in self.tool_calls or [])
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_GenerationBody):
@@ -180,6 +218,13 @@ class ChatBody(_GenerationBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def calls_tools(self) -> bool:
+        """Whether the output is read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("top_logprobs")
     @classmethod

@@ -24,11 +24,13 @@ class ResponseFormat:
     def new_id(self) -> str:
         return self.id_prefix + uuid.uuid4().hex
 
-    def choice(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None,
-               token_ids: list[int] | None, logprobs: dict | None = None) -> dict:
+    def choice(self, index: int, text: str | None, finish_reason: str | None, stop_reason: int | str | None,
+               token_ids: list[int] | None, logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         if token_ids is not None:
@@ -48,6 +50,15 @@ class ResponseFormat:
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return choice
+
+
+def tool_call_chunk_choice(index: int, content: str | None, calls: list[dict], stop_reason) -> dict:
+    """A stream's one chunk of a choice's tool calls, at its end: each call whole, with its index
+    (the `openai` client assembles deltas by it)."""
+    delta = {"role": "assistant", "content": content,
+             "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+    return {"index": index, "logprobs": None, "finish_reason": "tool_calls", "stop_reason": stop_reason,
+            "delta": delta}
 
 
 COMPLETION = ResponseFormat("text_completion", "text_completion", "cmpl-", chat=False)

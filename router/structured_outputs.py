@@ -43,6 +43,17 @@ class GrammarCompiler:
             raise bad_request(f"Invalid {param}: {error}", param)
         return grammar
 
+    def tools(self, body) -> str | None:
+        """The grammar of a chat request's tool choice (router/tool_calls.py), checked likewise."""
+        from router.tool_calls import tool_grammar
+        grammar = tool_grammar(body)
+        if grammar is None:
+            return None
+        error = self._validate(grammar)
+        if error:
+            raise bad_request(f"Invalid tools: {error}", "tools")
+        return grammar
+
     def _validate(self, grammar: str) -> str:
         import llguidance
         import llguidance.hf

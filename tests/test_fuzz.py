@@ -48,6 +48,16 @@ COMMON = {
     "presence_penalty": either(small_floats),
     "logprobs": junk,
     "unknown_field": junk,
+    # structured outputs: schemas, regexes and grammars the library must refuse cleanly
+    "response_format": either(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                                                    optional={"json_schema": st.fixed_dictionaries(
+                                                        {"name": st.text(max_size=5)},
+                                                        optional={"schema": junk | st.fixed_dictionaries(
+                                                            {"type": st.sampled_from(["object", "string", "x"])},
+                                                            optional={"maxLength": junk, "enum": junk})})})),
+    "structured_outputs": either(st.fixed_dictionaries({}, optional={
+        "regex": st.text(max_size=12), "choice": st.lists(st.text(max_size=5), max_size=3),
+        "grammar": st.text(max_size=30) | st.just('root ::= "a" [0-9]'), "json": junk})),
 }
 PROMPT = st.text(max_size=200) | st.lists(st.integers(-3, 700), max_size=40) \
     | st.lists(st.text(max_size=20), max_size=2) | st.lists(st.lists(st.integers(0, 600), max_size=8), max_size=2)
@@ -62,7 +72,12 @@ BODIES = {
         **COMMON, "prompt": either(PROMPT), "echo": either(st.booleans()), "best_of": either(st.integers(0, 2))}),
     "/v1/chat/completions": st.fixed_dictionaries({}, optional={
         **COMMON, "messages": either(st.lists(MESSAGE, max_size=3)),
-        "max_completion_tokens": either(st.integers(-1, 6))}),
+        "max_completion_tokens": either(st.integers(-1, 6)),
+        "tools": either(st.lists(st.fixed_dictionaries({"type": either(st.just("function")), "function": either(
+            st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "bad name"])},
+                                  optional={"parameters": junk}))}), max_size=2)),
+        "tool_choice": either(st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}))}),
 }
 
 
