@@ -5,7 +5,8 @@ names carry Ray's `ray_` prefix). The counting itself happens in plain objects
 No series is labelled by request.
 
 Series (all `specserve_`): requests_total{status}, errors_total{type}, rounds_total{kind:
-speculative | lookup | target_only | fallback}, drafted_tokens_total, accepted_tokens_total,
+speculative | lookup | forced | target_only | fallback}, drafted_tokens_total, accepted_tokens_total,
+forced_tokens_total (grammar-forced drafts kept, router/forced_drafts.py),
 generated_tokens_total, cache_rebuilds_total{pool}, tokens_per_round, k (the k each round
 asked for), verify_batch_size and draft_batch_size (sequences in the forward pass that
 served a round), ttft_seconds, inter_token_seconds, router_requests{state: running |
@@ -36,6 +37,8 @@ class RouterMetrics:
         self.rounds = Counter("specserve_rounds_total", "Speculation rounds by kind", tag_keys=("kind",))
         self.drafted = Counter("specserve_drafted_tokens_total", "Draft tokens sent to verification")
         self.accepted = Counter("specserve_accepted_tokens_total", "Draft tokens the target kept")
+        self.forced = Counter("specserve_forced_tokens_total", "Tokens a grammar forced, drafted by the router "
+                              "and kept (router/forced_drafts.py)")
         self.generated = Counter("specserve_generated_tokens_total", "Tokens generated for clients")
         self.rebuilds = Counter("specserve_cache_rebuilds_total",
                                 "Calls after a sequence's first that recomputed the whole sequence "
@@ -65,11 +68,13 @@ class RouterMetrics:
         """A round's outcome (router/speculation.py RoundOutcome)."""
         drafts, verdict = len(outcome.drafts), outcome.verdict
         kind = "fallback" if outcome.fallback else (
-            ("speculative" if outcome.source == "pool" else "lookup") if drafts else "target_only")
+            {"pool": "speculative", "forced": "forced"}.get(outcome.source, "lookup") if drafts else "target_only")
         self.rounds.inc(tags={"kind": kind})
         self.k.observe(outcome.k)
         _add(self.drafted, drafts)
         _add(self.accepted, verdict.accepted)
+        if outcome.source == "forced":
+            _add(self.forced, verdict.accepted)
         self.totals.round(drafts, verdict.accepted)
         self.tokens_per_round.observe(len(verdict.tokens))
         self.verify_batch.observe(verdict.batch_rows)

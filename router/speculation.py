@@ -29,6 +29,7 @@ from replicas.protocol import (EngineStep, GenerateRequest, Proposal, ProposeReq
                                Verification, VerifyRequest)
 from replicas.sampling import SamplingParams
 from router.draft_sources import DraftSources, fixed_source
+from router.forced_drafts import FORCED, GrammarFollower
 from router.fallback import DraftAvailability
 from router.gathering import CallGatherer
 from router.k_control import POOL, Choice, GoodputController, Offer
@@ -41,7 +42,7 @@ from replicas.drafting.suffix import OutputCache
 from router.text import IncrementalDetokenizer, StopStringFilter
 
 logger = logging.getLogger("ray.serve")
-_KINDS = {POOL: "draft_model", "ngram": "ngram", "suffix": "suffix"}   # a draft source's name in stats
+_KINDS = {POOL: "draft_model", "ngram": "ngram", "suffix": "suffix", FORCED: "forced"}   # a source's name in stats
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class SpeculationStats:
                 "lookahead_hit_rate": round(self.lookahead_hits / self.lookaheads_checked, 4)
                 if self.lookaheads_checked else 0.0,
                 "draft_hidden_share": round(self.hidden_draft_ms / self.draft_ms, 4) if self.draft_ms else 0.0,
+                "forced_tokens": self.by_kind.get(_KINDS[FORCED], [0, 0, 0])[2],
                 "by_kind": {kind: dict(zip(("rounds", "drafted_tokens", "accepted_tokens"),
                                            self.by_kind.get(kind, [0, 0, 0])))
                             for kind in _KINDS.values()}}
@@ -294,12 +296,17 @@ class SpeculationLoop:
         self._running.add(seq_id)
         self.control.begin(seq_id, sampled=not gen.sampling.greedy)
         ahead = _Ahead()
+        # A constrained, speculating sequence: the grammar drafts what it forces (router/forced_drafts.py)
+        grammar = (GrammarFollower(self.tokenizer, gen.sampling.grammar)
+                   if gen.sampling.grammar is not None and gen.k > 0 and not self.engine_rounds else None)
         chunks = (self._engine_rounds(seq_id, gen, stats) if self.engine_rounds
-                  else self._rounds(lane, seq_id, tokens, gen, stats, ahead))
+                  else self._rounds(lane, seq_id, tokens, gen, stats, ahead, grammar))
         try:
             async for new_tokens, verdict in chunks:
                 delta = self._emit(new_tokens, progress, gen, verdict)
                 tokens.extend(delta.token_ids)
+                if grammar is not None:
+                    grammar.advance(delta.token_ids)
                 yield delta
                 if delta.finish_reason:
                     return
@@ -320,10 +327,10 @@ class SpeculationLoop:
                 ahead.task.add_done_callback(lambda _: self.client.release(lane, seq_id, "draft"))
             await chunks.aclose()        # an engine's stream: abort the request there now
 
-    async def _rounds(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
-                      stats: SpeculationStats, ahead: _Ahead) -> AsyncIterator[tuple[list[int], Verification]]:
+    async def _rounds(self, lane: str, seq_id: str, tokens: list[int], gen: Generation, stats: SpeculationStats,
+                      ahead: _Ahead, grammar: GrammarFollower | None) -> AsyncIterator[tuple[list[int], Verification]]:
         while True:
-            verdict = await self._round(lane, seq_id, tokens, gen, stats, ahead)
+            verdict = await self._round(lane, seq_id, tokens, gen, stats, ahead, grammar)
             yield verdict.tokens, verdict
 
     async def _engine_rounds(self, seq_id: str, gen: Generation,
@@ -349,20 +356,28 @@ class SpeculationLoop:
             response.cancel()
 
     async def _round(self, lane: str, seq_id: str, tokens: list[int], gen: Generation,
-                     stats: SpeculationStats, ahead: _Ahead) -> Verification:
+                     stats: SpeculationStats, ahead: _Ahead, grammar: GrammarFollower | None) -> Verification:
         started = time.perf_counter()
         cap = gen.max_tokens - (len(tokens) - len(gen.prompt_ids)) - 1   # a round yields up to k + steps tokens
         if cap == 0 and gen.k > 0:
             # The last token needs no draft: free the draft pool's cache now.
             self.client.release(lane, seq_id, "draft")
         self._anchor_costs()
-        choice, offer = self._choose(seq_id, tokens, gen, cap)
+        forced = grammar.forced(cap) if grammar is not None else []
+        if forced:   # certain drafts, made here: no choice to make, no draft call
+            choice, offer = Choice(FORCED, len(forced), 1, None), Offer()
+        else:
+            choice, offer = self._choose(seq_id, tokens, gen, cap)
         overlap = self._overlap(seq_id, gen, choice)
         ready = await self._drafts_ahead(ahead, choice.k if choice.source == POOL else 0, stats)
-        if ready is not None:   # drafted off this round's path
+        if forced:
+            drafted = _Drafted(FORCED, forced)
+        elif ready is not None:   # drafted off this round's path
             drafted = _Drafted(POOL, ready.tokens, ready.probs)
         else:
             drafted = await self._draft(lane, seq_id, tokens, gen, choice, offer, stats.rounds)
+            if grammar is not None and drafted.source != POOL:   # lookup drafts past the grammar: cut
+                drafted.drafts = grammar.allowed_prefix(drafted.drafts)
         drafts = drafted.drafts
         # The first round's one pass: its token is not held back by further steps.
         steps = 1 if stats.rounds == 0 or (overlap and drafts) else choice.steps
@@ -416,8 +431,9 @@ class SpeculationLoop:
         stats.record(outcome)
         stats.retried_calls = self.client.retries[seq_id]
         control = self.control
-        control.observe_round(seq_id, outcome.source if outcome.drafts else None, len(outcome.drafts),
-                              verdict.accepted, outcome.match)
+        if outcome.source != FORCED:   # forced drafts are kept for certain: no evidence of any source's
+            control.observe_round(seq_id, outcome.source if outcome.drafts else None, len(outcome.drafts),
+                                  verdict.accepted, outcome.match)
         if verdict.batch is not None:
             control.observe_passes("target", verdict.batch.batch_id, verdict.batch.passes)
         if proposal is not None and proposal.batch is not None:

@@ -27,7 +27,6 @@ class GrammarCompiler:
 
     def __init__(self, hf_tokenizer):
         self._hf_tokenizer = hf_tokenizer
-        self._tokenizer = None    # llguidance's, built on the first constrained request (about 1 s for 128 k)
 
     def grammar(self, body: _GenerationBody) -> str | None:
         constraint = _constraint(body)
@@ -55,11 +54,18 @@ class GrammarCompiler:
         return grammar
 
     def _validate(self, grammar: str) -> str:
-        import llguidance
-        import llguidance.hf
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
-        return _validated(grammar, self._tokenizer)
+        return _validated(grammar, ll_tokenizer(self._hf_tokenizer))
+
+
+_LL_TOKENIZERS: dict[int, object] = {}
+
+
+def ll_tokenizer(hf_tokenizer):
+    """llguidance's tokenizer for a Hugging Face one, built once (about 1 s for 128 k tokens)."""
+    import llguidance.hf
+    if id(hf_tokenizer) not in _LL_TOKENIZERS:
+        _LL_TOKENIZERS[id(hf_tokenizer)] = llguidance.hf.from_tokenizer(hf_tokenizer)
+    return _LL_TOKENIZERS[id(hf_tokenizer)]
 
 
 @lru_cache(maxsize=256)

@@ -161,3 +161,21 @@ def test_a_bad_constraint_is_a_400_naming_its_field(url, body, param):
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tokens_the_grammar_forces_are_drafted_by_the_router_and_counted(url, method):
+    """Keys, braces and the rest of a unique enum value cost no draft call; greedy output is
+    the target alone's under the same schema."""
+    def ask(speculation: dict) -> dict:
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Reply in JSON."}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "response_format": json_schema_format("ref"), "speculation": speculation})
+        assert response.status_code == 200, response.text
+        return response.json()
+    alone, speculating = ask({"enabled": False}), ask({"method": method})
+    assert speculating["choices"][0]["message"] == alone["choices"][0]["message"]
+    forced = speculating["speculation"]["by_kind"]["forced"]
+    # {"start":{"x": ... "end":{"x": ... : every key and brace is forced
+    assert speculating["speculation"]["forced_tokens"] == forced["accepted_tokens"] >= 10, speculating["speculation"]
+    assert alone["speculation"]["forced_tokens"] == 0
