@@ -340,6 +340,10 @@ class LimitsConfig(Strict):
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body; a larger one is "
                                                                 "refused (413) before it is read.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string a request may give.")
+    max_grammar_chars: int = Field(
+        65_536, ge=64, description="Longest output constraint a request may give (a JSON schema as JSON text, a "
+                                   "regex, a grammar, a choice list, or its tools' parameters): a longer one is "
+                                   "refused (400) before it is compiled.")
     max_choices: int = Field(16, ge=1, description="Most choices one request may ask for: n times its prompts "
                                                    "(each is a sequence through the pools).")
     request_timeout_s: float = Field(

@@ -52,7 +52,7 @@ class Admission:
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
         self.max_prompt_chars = config.limits.context_length * longest_token_chars(tokenizer)
-        self.grammars = GrammarCompiler(tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, config.limits.max_grammar_chars)
 
     def completion(self, body: CompletionBody) -> list[Generation]:
         """A Generation per choice, prompt by prompt, n each (the order of the choices' index)."""

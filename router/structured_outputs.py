@@ -25,16 +25,19 @@ from router.openai_protocol import _GenerationBody
 class GrammarCompiler:
     """Request fields -> a grammar (or None), every error a 400 naming its field."""
 
-    def __init__(self, hf_tokenizer):
+    def __init__(self, hf_tokenizer, max_chars: int):
         self._hf_tokenizer = hf_tokenizer
+        self.max_chars = max_chars     # limits.max_grammar_chars
 
     def grammar(self, body: _GenerationBody) -> str | None:
         constraint = _constraint(body)
         if constraint is None:
             return None
         param, kind, value, compact = constraint
+        text = _canonical(value)
+        self._check_size(len(text), param)
         try:
-            grammar = _grammar(kind, _canonical(value), compact)
+            grammar = _grammar(kind, text, compact)
         except ValueError as exc:
             raise bad_request(f"Invalid {param}: {exc}", param) from None
         error = self._validate(grammar)
@@ -45,6 +48,8 @@ class GrammarCompiler:
     def tools(self, body) -> str | None:
         """The grammar of a chat request's tool choice (router/tool_calls.py), checked likewise."""
         from router.tool_calls import tool_grammar
+        if body.tools:
+            self._check_size(sum(len(json.dumps(tool.function.parameters or {})) for tool in body.tools), "tools")
         grammar = tool_grammar(body)
         if grammar is None:
             return None
@@ -52,6 +57,11 @@ class GrammarCompiler:
         if error:
             raise bad_request(f"Invalid tools: {error}", "tools")
         return grammar
+
+    def _check_size(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise bad_request(f"{param} is {chars} characters; this server compiles at most {self.max_chars} "
+                              f"(limits.max_grammar_chars).", param)
 
     def _validate(self, grammar: str) -> str:
         return _validated(grammar, ll_tokenizer(self._hf_tokenizer))

@@ -187,7 +187,7 @@ def test_prompt_lookup_greedy_equals_target_only(apps, reference, method, k, str
     were answered before, so its drafts are often whole outputs); `hybrid`: lookup where a
     suffix of 2 or more tokens matched, the draft pool's in other rounds."""
     call = stream_complete if stream else complete
-    drafted = {"ngram": 0, "suffix": 0, "draft_model": 0}
+    drafted = {"ngram": 0, "suffix": 0, "draft_model": 0, "forced": 0}
     lookup = "suffix" if method == "suffix" else "ngram"
     for prompt in PROMPTS:
         got = call(apps["perturbed"], prompt, max_tokens=MAX_TOKENS, speculation={"method": method, "k": k})
@@ -197,7 +197,7 @@ def test_prompt_lookup_greedy_equals_target_only(apps, reference, method, k, str
         assert got["choices"][0]["finish_reason"] == want["finish_reason"]
         for kind, counts in got["speculation"]["by_kind"].items():
             drafted[kind] += counts["drafted_tokens"]
-    assert drafted[lookup] > 0
+    assert drafted[lookup] > 0 and drafted["forced"] == 0    # no grammar, nothing forced
     if method == "hybrid":
         assert drafted["draft_model"] > 0
     else:

@@ -134,8 +134,9 @@ def test_greedy_structured_output_is_the_same_with_and_without_speculation(clien
     for name in ("nested", "ref", "objects"):
         alone = chat(client, {"speculation": {"enabled": False}}, response_format=json_schema_format(name), temperature=0)
         for method in METHODS:
-            assert chat(client, {"speculation": {"method": method, "k": 4}}, response_format=json_schema_format(name),
-                        temperature=0) == alone, method
+            for k in (1, 3, 5):
+                assert chat(client, {"speculation": {"method": method, "k": k}}, temperature=0,
+                            response_format=json_schema_format(name)) == alone, (method, k)
 
 
 def test_completions_take_a_constraint_too(client):
@@ -153,6 +154,9 @@ def test_completions_take_a_constraint_too(client):
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["y" * 70_000]}}}},
+     "response_format.json_schema.schema"),        # over limits.max_grammar_chars (65536 by default)
+    ({"guided_grammar": 'root ::= "a"' + " | \"a\"" * 20_000}, "guided_grammar"),
 ])
 def test_a_bad_constraint_is_a_400_naming_its_field(url, body, param):
     response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={

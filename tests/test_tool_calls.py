@@ -86,7 +86,20 @@ def test_a_streamed_call_assembles_and_the_loop_ends_with_a_message(client):
     assert isinstance(choice.message.content, str)
 
 
-def test_auto_allows_text_then_constrains_a_started_call(tmp_path):
+@pytest.mark.parametrize("method", METHODS)
+def test_auto_answers_text_or_valid_calls(client, method):
+    for setting in SAMPLING.values():
+        answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60,
+                                                extra_body={"speculation": {"method": method}}, **setting)
+        message = answer.choices[0].message
+        if message.tool_calls:
+            valid_calls(message)
+            assert answer.choices[0].finish_reason == "tool_calls"
+        else:
+            assert isinstance(message.content, str) and answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_allows_text_then_constrains_a_started_call():
     import llguidance
     import llguidance.hf
     from replicas.tokenizer import load_tokenizer
@@ -111,6 +124,7 @@ def test_auto_allows_text_then_constrains_a_started_call(tmp_path):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, "tools"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"enum": ["y" * 70_000]}}}]}, "tools"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(client, body, param):
     response = httpx.post(f"{client.base_url}chat/completions", timeout=60,
