@@ -5,7 +5,8 @@ Open loop: requests arrive as a Poisson process at a fixed rate, whatever the se
 Every request streams, so time to first token and the gaps between chunks are seen as a
 client sees them, and sets `ignore_eos` (vLLM's OpenAI servers accept it too), so that every
 request yields exactly max_tokens tokens whatever the model writes and every mode of a phase
-does the same work. A workload samples greedily (temperature 0) or by the SAMPLING setting
+does the same work; a constrained workload (`specserve bench --json-schema`) does not: its
+requests end with their structure. A workload samples greedily (temperature 0) or by the SAMPLING setting
 `sampled` (temperature 0.8, top_p 0.95).
 
 Its prompts are the bench's to choose (cluster/bench/run.py): `fresh`, each request a prompt
@@ -54,6 +55,10 @@ class Workload:
     max_tokens: int
     speculation: dict | None    # the request's `speculation` extension, e.g. {"enabled": False}; None: not sent
     sampling: str = "greedy"    # a key of SAMPLING
+    # An output constraint sent with every request (e.g. {"structured_outputs": {"json": schema}});
+    # such a request ends where its structure does (ignore_eos off): equal work in greedy modes,
+    # whose outputs are the same, and tokens per second compared in all
+    constraint: dict | None = None
 
     def prompt(self, i: int) -> list[int]:
         return self.prompts[i % len(self.prompts)]
@@ -62,7 +67,8 @@ class Workload:
 async def one_request(client: httpx.AsyncClient, work: Workload, prompt: list[int]) -> RequestResult:
     url, model, max_tokens, speculation = work.url, work.model, work.max_tokens, work.speculation
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **SAMPLING[work.sampling],
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": work.constraint is None, "stream": True, "stream_options": {"include_usage": True},
+            **(work.constraint or {})}
     if speculation is not None:     # specserve's extension; another server (vLLM's) is sent none
         body["speculation"] = speculation
     started, last, result = time.perf_counter(), None, RequestResult(ok=False, prompt=list(prompt))

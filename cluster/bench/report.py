@@ -53,6 +53,7 @@ def summarize(phase: PhaseResult) -> dict:
                                                      "router_ms_per_round", "lookahead_hit_rate",
                                                      "draft_hidden_share")},
         "by_kind": _by_kind(spec),
+        "forced_share": round(sum(s.get("forced_tokens", 0) for s in spec) / tokens, 4) if tokens else 0.0,
     }
 
 
@@ -80,7 +81,8 @@ COLUMNS = [("concurrency", "C", "{}"), ("sampling", "sampling", "{}"), ("mode", 
            ("mean_verify_batch", "vbatch", "{:.2f}"),
            ("coordination_ms_per_round", "coord ms", "{:.1f}"), ("hop_ms_per_round", "hops ms", "{:.1f}"),
            ("replica_wait_ms_per_round", "rwait ms", "{:.1f}"), ("router_ms_per_round", "rtr ms", "{:.1f}"),
-           ("lookahead_hit_rate", "hit", "{:.2f}"), ("draft_hidden_share", "hidden", "{:.2f}")]
+           ("lookahead_hit_rate", "hit", "{:.2f}"), ("draft_hidden_share", "hidden", "{:.2f}"),
+           ("forced_share", "forced", "{:.2f}")]
 
 
 def table(rows: list[dict]) -> str:

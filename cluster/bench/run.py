@@ -16,7 +16,7 @@ prompt answered before is drafted whole from the router's recent outputs), not s
 Every phase (a concurrency of closed-loop clients, or an open-loop arrival rate) runs once per
 sampling setting (--sampling): `greedy` (temperature 0) and `sampled` (temperature 0.8, top_p
 0.95). Every request sets ignore_eos, so it yields exactly --max-tokens tokens and every mode of
-a phase does the same work.
+a phase does the same work (with --json-schema it does not: a request ends with its structure).
 
 Modes, in every phase: `target_only` (speculation off), `default` (no speculation field: the
 server's default method, k its own choice), one mode per method the server serves, named after
@@ -80,6 +80,9 @@ def add_parser(commands) -> None:
                        help="requests per mode and phase (default: %(default)s)")
     bench.add_argument("--max-tokens", type=int, default=96, help="tokens per request, exactly (ignore_eos) "
                                                                   "(default: %(default)s)")
+    bench.add_argument("--json-schema", type=Path, help="a JSON schema file: every request's output follows it "
+                       "(structured_outputs.json) and ends with it, ignore_eos off; the report's `forced` column is "
+                       "the share of output tokens the grammar forced (docs/API.md, \"Structured outputs\")")
     bench.add_argument("--prompt-tokens", type=int, default=96, help="prompt length in tokens (default: %(default)s)")
     bench.add_argument("--fixed-k", type=int, nargs="+", default=[], metavar="K",
                        help="also run every method with k fixed at each K (modes <method>_k<K>; default: none, "
@@ -163,7 +166,10 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     tokenizer = load_tokenizer(config.models.target.path)
     k = config.speculation.k
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    modes = _modes(args, config, Workload(url, model, [], args.max_tokens, None), url, vllm_urls or {})
+    constraint = ({"structured_outputs": {"json": json.loads(args.json_schema.read_text())}}
+                  if args.json_schema is not None else None)
+    modes = _modes(args, config, Workload(url, model, [], args.max_tokens, None, constraint=constraint), url,
+                   vllm_urls or {})
     vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
     # first calls load lazily: the server's default method and the draft pool, and vLLM's servers
     warm = [name for name in ("default", "draft_model") if name in modes] + vllm_modes or ["target_only"]
@@ -207,7 +213,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": _machine(),
         "url": url, "workload": args.workload, "sampling": {name: SAMPLING_FIELDS[name] for name in args.sampling},
         "k": k, "fixed_k": args.fixed_k, "max_tokens": args.max_tokens, "num_requests": args.num_requests,
-        "prompt_tokens": args.prompt_tokens, "ignore_eos": True,
+        "prompt_tokens": args.prompt_tokens, "ignore_eos": args.json_schema is None,
+        "json_schema": str(args.json_schema) if args.json_schema is not None else None,
         "prompts": {"sent": len(sent), "distinct": len(set(sent))},
         "closed_loop": closed, "open_loop": opened, "ideal": ideal,
         "hf_assisted": _hf(config, source.take(args.hf_prompts), args.max_tokens, k, tokenizer.eos_token_id),
