@@ -146,8 +146,8 @@ class Admission:
                               "'none' or drop the constraint.", "tool_choice")
         grammar = grammar or tools
         if grammar is not None and self.config.pools.target.engine == "vllm":
-            raise bad_request("Structured outputs are not served with the vLLM target engine yet.",
-                              "response_format")
+            raise bad_request("Structured outputs and tool choices are not served with the vLLM target engine yet.",
+                              "tool_choice" if tools is not None else "response_format")
         ends = set(stop_ids) | (set() if body.ignore_eos else self.eos_token_ids)
         sampling = _sampling(body, bias, tuple(sorted(ends)), grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)

@@ -6,6 +6,7 @@ costs a replica restart, never a wrong or lost token."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -75,6 +76,19 @@ def test_greedy_over_http_with_two_shards_equals_the_target_alone(tp_app, greedy
         assert out["choices"][0]["token_ids"] == greedy_reference(prompt, 24), prompt
     streamed = reassemble(stream_chunks(tp_app, PROMPTS[4], max_tokens=24, speculation=speculation))
     assert streamed["choices"][0]["token_ids"] == greedy_reference(PROMPTS[4], 24)
+
+
+def test_structured_output_with_two_shards_equals_the_target_alone_on_one(tp_app, apps):
+    """A grammar's masks are applied by the engine over the group's logits (replicas/grammar.py)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    for prompt in PROMPTS[:2]:
+        constrained = {"structured_outputs": {"json": schema}, "max_tokens": 40}
+        sharded = complete(tp_app, prompt, speculation={"k": 4}, **constrained)["choices"][0]
+        alone = complete(apps["perturbed"], prompt, speculation={"enabled": False}, **constrained)["choices"][0]
+        assert sharded["token_ids"] == alone["token_ids"] and sharded["finish_reason"] == "stop", prompt
+        assert set(json.loads(sharded["text"])) == {"n", "ok"}
 
 
 def test_a_tp_replica_runs_its_shards_together(tp_app):
