@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from router.errors import bad_request
+from router.tool_calls import render_call
 
 MAX_STOP_STRINGS = 8
 MAX_LOGPROBS = 20         # vLLM's default max_logprobs
@@ -183,7 +184,6 @@ class ChatMessage(_Body):
 
     def text(self) -> str:
         """The message as the model sees it: its content, then any calls it made."""
-        from router.tool_calls import render_call
         if self.content is None:
             content = ""
         else:

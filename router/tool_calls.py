@@ -31,7 +31,6 @@ MAX_PARALLEL_CALLS = 4
 def tool_grammar(body) -> str | None:
     """The llguidance grammar of the request's tool choice, or None (no tools, or "none")."""
     import llguidance
-    from llguidance._struct_tag import StructTag
 
     tools, choice = body.tools or [], body.tool_choice
     if choice is None:
@@ -44,9 +43,9 @@ def tool_grammar(body) -> str | None:
     if len(functions) < len(tools):
         raise bad_request("tools have one name each; a name repeats", "tools")
     if choice == "auto":
-        tags = [StructTag(trigger=OPEN, begin=f'{OPEN}{{"name":{json.dumps(name)},"arguments":', grammar=schema,
+        tags = [llguidance.StructTag(trigger=OPEN, begin=f'{OPEN}{{"name":{json.dumps(name)},"arguments":', grammar=schema,
                           end=f"}}{CLOSE}") for name, schema in functions.items()]
-        return StructTag.to_grammar(tags, assume_special=False)
+        return llguidance.StructTag.to_grammar(tags, assume_special=False)
     if choice == "required":
         calls = _compact({"anyOf": [_call_schema(name, schema) for name, schema in functions.items()]})
         repeat = " call?" * (MAX_PARALLEL_CALLS - 1) if body.parallel_tool_calls else ""

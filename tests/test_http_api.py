@@ -98,13 +98,14 @@ def assert_speculation(out: dict) -> dict:
                          "mean_verify_batch", "mean_draft_batch", "round_ms", "coordination_ms_per_round",
                          "retried_calls", "fallback_rounds", "mean_k", "hop_ms_per_round",
                          "replica_wait_ms_per_round", "router_ms_per_round", "lookahead_hit_rate",
-                         "draft_hidden_share", "lookaheads", "by_kind"}
+                         "draft_hidden_share", "lookaheads", "forced_tokens", "by_kind"}
     assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
     assert 0.0 <= spec["acceptance_rate"] <= 1.0
     assert spec["rounds"] >= 1
     assert spec["mean_verify_batch"] >= 1 and spec["round_ms"] >= spec["coordination_ms_per_round"] >= 0
     kinds = spec["by_kind"]
-    assert set(kinds) == {"draft_model", "ngram", "suffix"}
+    assert set(kinds) == {"draft_model", "ngram", "suffix", "forced"}
+    assert spec["forced_tokens"] == kinds["forced"]["accepted_tokens"] == 0    # no grammar
     for field in ("drafted_tokens", "accepted_tokens"):
         assert sum(kind[field] for kind in kinds.values()) == spec[field]
     assert (spec["mean_draft_batch"] >= 1) == (kinds["draft_model"]["drafted_tokens"] > 0)
