@@ -280,7 +280,8 @@ def test_token_id_prompt_equals_text_prompt(apps, zoo):
 
 
 def test_chat_json(apps):
-    out = chat(apps["copy"], max_tokens=5)
+    # k fixed: under the adaptive choice 5 tokens may go without a draft (it happened once in CI)
+    out = chat(apps["copy"], max_tokens=5, speculation={"k": 4})
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     [choice] = out["choices"]
     assert choice["message"]["role"] == "assistant"

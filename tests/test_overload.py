@@ -31,8 +31,9 @@ def small_router(ray_serve, zoo):
 
 
 class HealthWatch:
-    """Polls a path every 50 ms in the background; keeps each answer's status and latency,
-    and the body of the first 503."""
+    """Polls a path every 10 ms in the background (the gate stays full for well under a
+    second: at 50 ms a poll once missed it); keeps each answer's status and latency, and the
+    body of the first 503."""
 
     def __init__(self, url: str, path: str = "/health"):
         self.url, self.path, self.samples, self._stop = url, path, [], threading.Event()
@@ -47,7 +48,7 @@ class HealthWatch:
                 self.samples.append((response.status_code, time.monotonic() - started))
                 if response.status_code == 503 and self.unavailable_body is None:
                     self.unavailable_body = response.json()
-                time.sleep(0.05)
+                time.sleep(0.01)
 
     def __enter__(self) -> "HealthWatch":
         self._thread.start()
