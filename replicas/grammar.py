@@ -38,7 +38,10 @@ class GrammarMasks:
     def __init__(self, tokenizer_path: Path | str):
         self._tokenizer_path = tokenizer_path
         self._tokenizer = None       # built on the first grammar: about 1 s for a large vocabulary
-        self._matchers: OrderedDict[tuple[str, tuple[int, ...]], object] = OrderedDict()
+        # per grammar, its matchers by the tokens they consumed (least recently used first);
+        # grouped so that a lookup compares no grammar text, which may run to kilobytes
+        self._matchers: dict[str, OrderedDict[tuple[int, ...], object]] = {}
+        self._cached = 0
 
     def rows(self, grammar: str, output: list[int], window: list[int], vocab: int, device) -> torch.Tensor:
         """Allowed tokens [n, vocab] (bool) of rows 0..n-1, n = len(window) + 1."""
@@ -67,13 +70,18 @@ class GrammarMasks:
     def _matcher_at(self, grammar: str, output: list[int]):
         """A matcher that consumed `output`, from the cached one that consumed the longest
         prefix of it (or a new one)."""
+        cached = self._matchers.get(grammar, {})
         best, best_len = None, -1
-        for key in self._matchers:
-            cached_grammar, consumed = key
-            if (cached_grammar == grammar and len(consumed) > best_len and len(consumed) <= len(output)
-                    and tuple(output[:len(consumed)]) == consumed):
-                best, best_len = key, len(consumed)
-        matcher = self._matchers.pop(best) if best is not None else self._new_matcher(grammar)
+        for consumed in cached:
+            if best_len < len(consumed) <= len(output) and tuple(output[:len(consumed)]) == consumed:
+                best, best_len = consumed, len(consumed)
+        if best is not None:
+            matcher = cached.pop(best)
+            self._cached -= 1
+            if not cached:
+                del self._matchers[grammar]
+        else:
+            matcher = self._new_matcher(grammar)
         rest = output[max(best_len, 0):]
         if rest and not matcher.is_error():
             matcher.consume_tokens(rest)
@@ -88,9 +96,15 @@ class GrammarMasks:
         return llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
 
     def _keep(self, grammar: str, output: list[int], matcher) -> None:
-        self._matchers[(grammar, tuple(output))] = matcher
-        while len(self._matchers) > _CACHED_MATCHERS:
-            self._matchers.popitem(last=False)
+        cached = self._matchers.setdefault(grammar, OrderedDict())
+        self._cached += tuple(output) not in cached
+        cached[tuple(output)] = matcher
+        while self._cached > _CACHED_MATCHERS:   # the oldest grammar's oldest matcher goes
+            oldest = next(iter(self._matchers))
+            self._matchers[oldest].popitem(last=False)
+            self._cached -= 1
+            if not self._matchers[oldest]:
+                del self._matchers[oldest]
 
     def _end_only(self) -> torch.Tensor:
         row = torch.zeros((self._tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
@@ -108,6 +122,8 @@ _BIT = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
 
 
 def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    # Not llguidance.torch.apply_token_bitmask_inplace: it is torch.compile'd (an inductor
+    # build at the first constrained request) and masks in place, where rows feed other uses.
     """llguidance's bitmask [n, ceil(V'/32)] int32 -> allowed [n, vocab] bool; tokens past the
     tokenizer's V' are not allowed (a model's rows may be padded past its tokenizer)."""
     allowed = ((bits.to(torch.int64)[:, :, None] & _BIT) != 0).reshape(bits.shape[0], -1)
