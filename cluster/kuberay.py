@@ -6,8 +6,10 @@ one worker group per pool, each node shaped to hold one replica of its pool: a r
 the router's resources, a draft node one draft replica's (e.g. `small_gpu: 1`, one GPU), a
 target node one whole tensor-parallel replica (tp_size shards: `large_gpu: tp_size`,
 tp_size GPUs), so that the STRICT_PACK placement group of a target replica always fits one
-node. A group is named after the custom resource its pool asks for (`small_gpu` ->
-`small-gpu`), or after the pool. Its min, max and initial node counts are the pool's
+node. A node has whole GPUs (`ray start --num-gpus` takes no fraction, nor does
+`nvidia.com/gpu`): a pool whose replicas reserve a fraction of one gets nodes of whole GPUs,
+each holding as many replicas as fit (half a GPU each: two replicas a GPU). A group is named after the custom resource its pool asks for (`small_gpu` ->
+`small-gpu`), or after the pool. Its min, max and initial node counts hold the pool's
 autoscaling bounds (or its fixed replicas), and KubeRay's in-tree autoscaler adds and
 removes nodes as Serve scales the pools. Serve listens on every node (port 8000; a Service
 of `kubernetes.service_type` in front of it), Ray's metrics on 8080.
@@ -89,28 +91,41 @@ def ray_cluster_spec(config: ClusterConfig, serve_probes: bool) -> dict:
 def _worker_group(config: ClusterConfig, pool_name: str, serve_probes: bool) -> dict:
     pool = getattr(config.pools, pool_name)
     tp_size = getattr(pool, "tp_size", 1)
-    node = _node_resources(pool.resources, tp_size)
+    per_node = replicas_per_node(pool.resources, tp_size)
+    node = _node_resources(pool.resources, tp_size, per_node)
     params = {"num-cpus": _number(node["CPU"]), "metrics-export-port": str(METRICS_PORT)}
     if node["GPU"]:
-        params["num-gpus"] = _number(node["GPU"])
+        params["num-gpus"] = str(node["GPU"])
     if pool.resources.custom:
         # KubeRay passes this string to `ray start --resources`: JSON inside quotes.
         custom = {name: json.loads(_number(amount)) for name, amount in node["custom"].items()}
         params["resources"] = '"' + json.dumps(custom, separators=(",", ":")).replace('"', '\\"') + '"'
     low, high = (pool.autoscaling.min_replicas, pool.autoscaling.max_replicas) if pool.autoscaling else (pool.replicas,) * 2
+    nodes = lambda replicas: math.ceil(replicas / per_node)    # noqa: E731 - nodes that hold them
     return {
         "groupName": _group_name(pool_name, pool.resources),
-        "replicas": pool.initial_replicas, "minReplicas": low, "maxReplicas": high,
+        "replicas": nodes(pool.initial_replicas), "minReplicas": nodes(low), "maxReplicas": nodes(high),
         "rayStartParams": params,
         "template": _pod("ray-worker", config.kubernetes, getattr(config.kubernetes, pool_name),
-                         math.ceil(node["CPU"]) + 1, math.ceil(node["GPU"]), serve_probes),
+                         math.ceil(node["CPU"]) + 1, node["GPU"], serve_probes),
     }
 
 
-def _node_resources(resources: Resources, tp_size: int) -> dict:
-    """One replica's needs: tp_size shards of the per-shard resources."""
-    return {"CPU": resources.num_cpus * tp_size, "GPU": resources.num_gpus * tp_size,
-            "custom": {name: amount * tp_size for name, amount in resources.custom.items()}}
+def replicas_per_node(resources: Resources, tp_size: int) -> int:
+    """How many of a pool's replicas one node holds: one, unless a replica reserves a fraction
+    of a GPU, when as many as fit the whole GPUs of its node (0.5 -> 2, 0.3 -> 3, 1.5 -> 1 on 2)."""
+    gpus = resources.num_gpus * tp_size
+    if not gpus or float(gpus).is_integer():
+        return 1
+    return max(1, int(math.ceil(gpus) // gpus))
+
+
+def _node_resources(resources: Resources, tp_size: int, per_node: int = 1) -> dict:
+    """A node's resources: per_node replicas of tp_size shards of the per-shard resources, its
+    GPUs a whole number."""
+    scale = tp_size * per_node
+    return {"CPU": resources.num_cpus * scale, "GPU": math.ceil(resources.num_gpus * tp_size),
+            "custom": {name: amount * scale for name, amount in resources.custom.items()}}
 
 
 def _group_name(pool_name: str, resources: Resources) -> str:
@@ -137,6 +152,11 @@ def _pod(container: str, k8s: KubernetesConfig, shape: PodShape, cpu: int, gpus:
         container_spec["readinessProbe"] = {"httpGet": {"path": "/-/healthz", "port": SERVE_PORT},
                                             "initialDelaySeconds": 10, "periodSeconds": 5, "failureThreshold": 12}
     spec = {"containers": [container_spec]}
+    if gpus:
+        # Docker's 64 MB /dev/shm is too small for NCCL's buffers (and Ray's object store
+        # warns): a memory-backed one, as KubeRay's GPU samples mount.
+        container_spec["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if shape.node_selector:
         spec["nodeSelector"] = dict(shape.node_selector)
     return {"spec": spec}

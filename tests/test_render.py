@@ -136,6 +136,31 @@ def test_worker_groups_carry_the_node_kinds_the_pools_ask_for(manifests):
         assert cluster["enableInTreeAutoscaling"] is True
 
 
+def test_replicas_reserving_half_a_gpu_share_nodes_of_whole_gpus(tmp_path):
+    """`ray start --num-gpus` and `nvidia.com/gpu` take whole numbers: draft replicas of half a
+    GPU each get one-GPU nodes, two replicas a node, and half as many nodes; every GPU pod
+    mounts a memory-backed /dev/shm (NCCL's buffers outgrow Docker's 64 MB)."""
+    changed = yaml.safe_load(K8S_CONFIG.read_text())
+    changed["pools"]["draft"]["resources"] = {"num_cpus": 1, "num_gpus": 0.5, "custom": {"small_gpu": 1}}
+    changed["pools"]["draft"]["autoscaling"].update(min_replicas=1, max_replicas=5)
+    (tmp_path / "k8s").mkdir()
+    (tmp_path / "k8s" / "cluster.yaml").write_text(yaml.safe_dump(changed))
+    (tmp_path / "models").symlink_to(REPO / "models")
+    document = yaml.safe_load(render_k8s(tmp_path / "k8s" / "cluster.yaml")["rayservice.yaml"])
+    draft, target = _group(document, "small-gpu"), _group(document, "large-gpu")
+    assert draft["rayStartParams"]["num-gpus"] == "1"
+    assert draft["rayStartParams"]["num-cpus"] == "2" and draft["rayStartParams"]["resources"] == '"{\\"small_gpu\\":2}"'
+    assert (draft["minReplicas"], draft["maxReplicas"]) == (1, 3)
+    for group, gpus in ((draft, "1"), (target, "2")):
+        pod = group["template"]["spec"]
+        [container] = pod["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+        assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if CRDS.is_dir():
+        jsonschema.validate(document, _crd_schema("ray.io_rayservices.yaml"))
+
+
 def test_the_serve_service_is_a_valid_kubernetes_service(manifests):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     service = {"apiVersion": "v1", "kind": "Service", **manifests["rayservice.yaml"]["spec"]["serveService"]}
