@@ -41,7 +41,8 @@ class ModelSpec(Strict):
         "and runs in the faster. A target in bfloat16 or float16 runs so only where its forward is "
         "checked batch-invariant at start (exact speculation), in float32 elsewhere, with a warning.")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="'auto' takes a GPU when the replica was given one, else the CPU.")
+        "auto", description="'auto': a GPU only where Ray gave the replica one (its pool's num_gpus), else "
+                "the CPU, whatever GPUs the node has; given GPUs torch cannot see is a start-up error.")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="How the forward pass is compiled at replica start (the Hugging Face engine in one "
                             "process). 'auto': the form measured fastest for the device: on a CPU a float32 Llama "

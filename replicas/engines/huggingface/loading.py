@@ -15,10 +15,34 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # no
 from cluster.config import ModelSpec  # noqa: E402
 
 
-def pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
+def pick_device(requested: str, reserved_gpus: list | None = None, cuda_available: bool | None = None) -> torch.device:
+    """The device `requested` names; for "auto", a GPU only where this process holds one.
+
+    Under Ray that means the GPUs Ray gave it (`ray.get_gpu_ids()`): Ray 2.60 no longer hides
+    the node's GPUs from an actor that reserved none, so `torch.cuda.is_available()` alone
+    would put a router's or a CPU pool's replica on cuda:0 beside the replica that reserved
+    it. Outside Ray (a script, the tests' engines) any CUDA device will do. reserved_gpus and
+    cuda_available default to what Ray and torch say; a test may say otherwise."""
+    if requested != "auto":
+        return torch.device(requested)
+    reserved = ray_gpu_ids() if reserved_gpus is None else reserved_gpus
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if reserved is None:
+        return torch.device("cuda" if available else "cpu")
+    if reserved and not available:
+        raise RuntimeError(f"Ray gave this replica GPU(s) {list(reserved)}, but torch sees no CUDA device "
+                           f"(torch {torch.__version__}: a CPU-only build, or CUDA_VISIBLE_DEVICES emptied?). "
+                           f"Install a CUDA build of torch on GPU nodes, or give the pool num_gpus: 0.")
+    return torch.device("cuda" if reserved else "cpu")
+
+
+def ray_gpu_ids() -> list | None:
+    """The GPU ids Ray assigned to this process, or None outside a Ray worker."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray.get_gpu_ids() if ray.is_initialized() else None
 
 
 def load_causal_lm(spec: ModelSpec, device: torch.device | None = None) -> PreTrainedModel:
