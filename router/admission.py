@@ -145,9 +145,6 @@ class Admission:
             raise bad_request("A request with a tool choice takes no other output constraint; use tool_choice "
                               "'none' or drop the constraint.", "tool_choice")
         grammar = grammar or tools
-        if grammar is not None and self.config.pools.target.engine == "vllm":
-            raise bad_request("Structured outputs and tool choices are not served with the vLLM target engine yet.",
-                              "tool_choice" if tools is not None else "response_format")
         ends = set(stop_ids) | (set() if body.ignore_eos else self.eos_token_ids)
         sampling = _sampling(body, bias, tuple(sorted(ends)), grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)

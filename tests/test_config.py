@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import DEFAULT_CONFIG_FILE, ClusterConfig, ConfigError, load_config, parse_config
+from cluster.config import DEFAULT_CONFIG_FILE, ClusterConfig, ConfigError, VllmOptions, load_config, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 SPECSERVE = Path(sys.executable).parent / "specserve"
@@ -447,3 +447,10 @@ def test_cli_check_empty_file(tmp_path):
     result = run_check(str(empty))
     assert result.returncode != 0
     assert "(top level): expected a mapping of keys" in result.stderr
+
+
+def test_vllms_memory_share_defaults_by_device_kind_and_keeps_an_explicit_one():
+    """vLLM's gpu_memory_utilization unset: 0.9 on GPUs (0.2 would not hold an 8 B model's
+    16 GB of weights on most GPUs), 0.2 on a CPU host shared with the other pools."""
+    assert (VllmOptions().memory_share(on_gpus=True), VllmOptions().memory_share(on_gpus=False)) == (0.9, 0.2)
+    assert VllmOptions(memory_utilization=0.5).memory_share(on_gpus=True) == 0.5

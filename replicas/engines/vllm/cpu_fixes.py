@@ -34,9 +34,16 @@ def expand_per_token(output: torch.Tensor, input_val: torch.Tensor, cu_num_token
 
 def install() -> bool:
     """Put expand_per_token in place of the CPU platform's shim, in this process. True if it
-    was installed: on a CPU build whose platform registered the shim; nothing elsewhere."""
-    from vllm.triton_utils import dispatcher
-    from vllm.utils import cpu_triton_utils
+    was installed: on a CPU build whose platform registered the shim; nothing elsewhere (a
+    CUDA build may not have the CPU module at all)."""
+    try:
+        from vllm.platforms import current_platform
+        if not current_platform.is_cpu():
+            return False
+        from vllm.triton_utils import dispatcher
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return False
 
     registered = dispatcher._registry.get(EXPAND_KERNEL)
     if registered is None or registered[1] is not cpu_triton_utils._expand_kernel_impl:

