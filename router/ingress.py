@@ -44,12 +44,12 @@ from router.metrics import RouterMetrics
 from router.readiness import FIRST_ANSWER_WAIT_S
 from router.openai_protocol import ChatBody, CompletionBody, _GenerationBody, parse_body
 from router.responses import (CHAT, COMPLETION, ResponseFormat, chat_logprobs, completion_logprobs, envelope, sse,
-                              tool_call_chunk_choice, usage)
+                              tool_call_chunk_choices, usage)
 from router.routing import lane_count
 from router.shedding import Shedder, ShedWhenFull, install as install_shedder
 from router.pool_client import PoolTimeouts, TargetTimeout, TargetUnavailable
 from router.speculation import Delta, Generation, SpeculationLoop, SpeculationStats
-from router.tool_calls import tool_calls
+from router.tool_calls import ToolCallStream, tool_calls
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="specserve")
@@ -342,14 +342,6 @@ class Router:
         pairs = ([(gen.prompt_ids[0], None)] + [(e.token, e) for e in prompt]) if prompt is not None else []
         return completion_logprobs(pairs + [(e.token, e) for e in entries or []], decode, offset)
 
-    @staticmethod
-    def _held_choice(i: int, out: ChoiceOutput, delta: Delta, fmt: ResponseFormat) -> dict:
-        """A tool-calling choice's one chunk: its calls, or its text when it made none."""
-        text, calls = tool_calls(out.text())
-        if calls:
-            return tool_call_chunk_choice(i, text, calls, delta.stop_reason)
-        return fmt.chunk_choice(i, out.text(), delta.finish_reason, delta.stop_reason, True, None)
-
     def _token_text(self, token: int) -> str:
         """A token's text; where it is part of a character (byte-level tokens), its vocabulary
         entry instead, which names it uniquely (their texts would all be U+FFFD)."""
@@ -363,19 +355,20 @@ class Router:
         options = body.stream_options
         want_ids, outcome = body.return_token_ids, (200, None)
         prompt_count = prompt_tokens(gens, body.samples_per_prompt())
-        # A call is known whole only at the end: such a choice streams nothing until then
-        held = fmt.chat and body.calls_tools()
+        # A choice that may call tools streams content, each call's name, then its arguments
+        calls = [ToolCallStream() for _ in gens] if fmt.chat and body.calls_tools() else None
         try:
             async for i, delta in self._choices(gens, response_id, deadline, stats):
                 out = outputs[i]
                 first = not out.deltas
                 offset = 0 if first else out.text_length()    # an echoed prompt's tokens come first
                 out.add(delta)
-                if held:
-                    if delta.finish_reason:
-                        yield sse(envelope(fmt.chunk_object, response_id, body.model,
-                                           [self._held_choice(i, out, delta, fmt)],
-                                           speculation=stats[i].as_dict()))
+                if calls is not None:
+                    deltas = calls[i].feed(delta.text, final=delta.finish_reason is not None)
+                    finish = delta.finish_reason and ("tool_calls" if calls[i].closed else delta.finish_reason)
+                    for choice in tool_call_chunk_choices(i, deltas, first, finish, delta.stop_reason):
+                        extra = {"speculation": stats[i].as_dict()} if choice["finish_reason"] else {}
+                        yield sse(envelope(fmt.chunk_object, response_id, body.model, [choice], **extra))
                     continue
                 if not (delta.text or delta.finish_reason or first or want_ids or delta.logprobs):
                     continue  # nothing a client could see yet (e.g. half a character)

@@ -52,13 +52,17 @@ class ResponseFormat:
         return choice
 
 
-def tool_call_chunk_choice(index: int, content: str | None, calls: list[dict], stop_reason) -> dict:
-    """A stream's one chunk of a choice's tool calls, at its end: each call whole, with its index
-    (the `openai` client assembles deltas by it)."""
-    delta = {"role": "assistant", "content": content,
-             "tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-    return {"index": index, "logprobs": None, "finish_reason": "tool_calls", "stop_reason": stop_reason,
-            "delta": delta}
+def tool_call_chunk_choices(index: int, deltas: list[dict], first: bool, finish_reason: str | None,
+                            stop_reason) -> list[dict]:
+    """A tool-calling choice's stream chunks (router/tool_calls.py, ToolCallStream, makes the
+    deltas): the role with the first, finish_reason apart in the last."""
+    if first:
+        deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}] + deltas[1:]
+    chunks = [{"index": index, "logprobs": None, "finish_reason": None, "delta": delta} for delta in deltas]
+    if finish_reason is not None:
+        chunks.append({"index": index, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                       "delta": {}})
+    return chunks
 
 
 COMPLETION = ResponseFormat("text_completion", "text_completion", "cmpl-", chat=False)

@@ -7,6 +7,7 @@ with llguidance (the tiny random model never starts a call on its own)."""
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import jsonschema
@@ -14,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from router.openai_protocol import ChatBody
-from router.tool_calls import tool_calls, tool_grammar
+from router.tool_calls import ToolCallStream, tool_calls, tool_grammar
 from tests.conftest import cluster_config, deploy
 
 MODEL = "specserve"
@@ -67,12 +68,17 @@ def test_required_and_named_choices_always_give_valid_calls(client, method, sett
     assert [call.function.name for call in valid_calls(named.choices[0].message, ("add",))] == ["add"]
 
 
-def test_a_streamed_call_assembles_and_the_loop_ends_with_a_message(client):
+@pytest.mark.parametrize("speculation", [{"method": "draft_model"}, {"enabled": False}])
+def test_a_streamed_call_assembles_and_the_loop_ends_with_a_message(client, speculation):
     with client.chat.completions.stream(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300,
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                        temperature=0) as stream:
+                                        temperature=0, extra_body={"speculation": speculation}) as stream:
+        pieces = [event.arguments_delta for event in stream if event.type == "tool_calls.function.arguments.delta"]
         final = stream.get_final_completion()
     [call] = valid_calls(final.choices[0].message, ("get_weather",))
+    # the call's name came in a chunk of its own before its arguments (how the arguments split
+    # depends on how many tokens each step brings: test_a_streamed_choice_gives_the_same_...)
+    assert pieces[0] == "" and len(pieces) >= 2 and "".join(pieces) == call.function.arguments, pieces
     assert final.choices[0].finish_reason == "tool_calls"
     conversation = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -131,3 +137,41 @@ def test_bad_tools_are_a_400_naming_the_field(client, body, param):
                           json={"model": MODEL, "messages": MESSAGES, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def assembled(text: str, seed: int) -> tuple[str, list[tuple[str, str]], int]:
+    """(content, [(name, arguments)], calls closed) of text streamed in random pieces through
+    ToolCallStream, assembled by index as the `openai` client does."""
+    stream, rng, deltas, at = ToolCallStream(), random.Random(seed), [], 0
+    while at < len(text):
+        size = rng.randint(1, 9)
+        deltas += stream.feed(text[at:at + size])
+        at += size
+    deltas += stream.feed("", final=True)
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for piece in delta.get("tool_calls", []):
+            if "id" in piece:
+                assert piece["index"] not in calls and piece["id"].startswith("call_")
+                calls[piece["index"]] = [piece["function"]["name"], ""]
+            calls[piece["index"]][1] += piece["function"]["arguments"]
+    return content, [tuple(calls[i]) for i in sorted(calls)], stream.closed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_streamed_choice_gives_the_same_content_and_calls_as_the_whole_text(seed):
+    """Whatever the pieces: text around calls is content (a `<tool_call>` never leaks half into
+    it), braces inside arguments are not taken for the call's end, a call whose keys come in
+    another order is sent whole, and a call cut off (max_tokens) sends what it had."""
+    text = ('Let me see. <tool_call>{"name":"add","arguments":{"a":1,"b":{"c":"}"}}}</tool_call> then '
+            '<tool_call>{"arguments":{"city":"Oslo"},"name":"get_weather"}</tool_call> <b> '
+            '<tool_call>{"name":"add","arguments":{"a":')
+    content, calls, closed = assembled(text, seed)
+    assert content == "Let me see.  then  <b> "
+    assert calls == [("add", '{"a":1,"b":{"c":"}"}}'), ("get_weather", '{"city":"Oslo"}'), ("add", '{"a":')]
+    assert closed == 2
+    whole_content, whole_calls = tool_calls(text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls] == calls[:2]
+    free = "text with <tool_call>not a call</tool_call>"
+    assert assembled(free, seed) == (free, [], 0)
