@@ -13,10 +13,12 @@ folder; cluster/app.py picks the vLLM deployment where the config says so.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.engines.protocol import EngineBroken, Proposer, Verifier
+
+if TYPE_CHECKING:     # the config's types only: the engines run without pydantic (gpu_check)
+    from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 
 __all__ = ["EngineBroken", "Proposer", "Verifier", "build_engine"]
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.engines.huggingface.engine import DraftEngine, Runner, TargetEngine
 from replicas.grammar import GrammarMasks
+
+if TYPE_CHECKING:     # the config's types only: the engines run without pydantic (gpu_check)
+    from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 
 __all__ = ["DraftEngine", "TargetEngine", "build"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel  # noqa: E402
 
-from cluster.config import ModelSpec  # noqa: E402
+if TYPE_CHECKING:     # the config's types only: the engines run without pydantic (gpu_check)
+    from cluster.config import ModelSpec
 
 
 def pick_device(requested: str, reserved_gpus: list | None = None, cuda_available: bool | None = None) -> torch.device:

@@ -27,16 +27,18 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
-from cluster.config import ModelSpec
 from replicas.engines.protocol import EngineBroken
 from replicas.engines.huggingface.loading import load_causal_lm, pick_device
 from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
 from replicas.engines.huggingface.tensor_parallel import shard_model
+
+if TYPE_CHECKING:     # the config's types only: the engines run without pydantic (gpu_check)
+    from cluster.config import ModelSpec
 
 logger = logging.getLogger("ray.serve")
 # Followers wait for rank 0's next command in a collective: an idle replica must not time
