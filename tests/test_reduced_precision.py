@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,16 +91,34 @@ def target_spec(dtype: str):
     return config.models.target, config.pools.target
 
 
-def test_a_target_failing_the_check_runs_in_float32_with_a_warning(monkeypatch, caplog):
+def test_a_target_failing_the_check_runs_in_float32_with_a_warning_its_first_copy_freed(monkeypatch, caplog):
     spec, pool = target_spec("bfloat16")
     described = huggingface.build("target", spec, pool, 512).describe()
     assert (described["dtype"], described["dtype_scores_ms"]) == ("bfloat16", None)   # named: not measured
-    monkeypatch.setattr("replicas.engines.huggingface.invariance.batch_invariant", lambda runner: False)
-    with caplog.at_level(logging.WARNING, logger="ray.serve"):
-        engine = huggingface.build("target", spec, pool, 512)
+    probed, alive_at_reload, load = [], [], huggingface._runner
+
+    def fails(runner) -> bool:
+        probed.append(weakref.ref(runner.model))
+        return False
+
+    def loads(spec, pool, max_seq_len):
+        if spec.dtype == "float32":     # the reload: the bfloat16 weights must be gone by now
+            alive_at_reload.append(probed[0]() is not None)
+        return load(spec, pool, max_seq_len)
+
+    monkeypatch.setattr("replicas.engines.huggingface.invariance.batch_invariant", fails)
+    monkeypatch.setattr(huggingface, "_runner", loads)
+    serve_logger = logging.getLogger("ray.serve")     # Ray Serve's logger may not propagate to the root
+    serve_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ray.serve"):
+            engine = huggingface.build("target", spec, pool, 512)
+    finally:
+        serve_logger.removeHandler(caplog.handler)
     assert engine.describe()["dtype"] == "float32"
     assert "not batch-invariant" in caplog.text
     assert next(engine.runner.model.parameters()).dtype == torch.float32
+    assert alive_at_reload == [False]          # never two copies of the weights at once
 
 
 @pytest.fixture(scope="module")

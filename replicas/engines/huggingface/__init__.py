@@ -5,6 +5,7 @@ shard_group.py), with the Proposer and Verifier on top (engine.py)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import TYPE_CHECKING, Literal
@@ -25,8 +26,11 @@ logger = logging.getLogger("ray.serve")
 def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig,
           max_seq_len: int) -> DraftEngine | TargetEngine:
     runner = _runner(spec, pool, max_seq_len)
-    if role == "target":
-        runner = _exact(runner, spec, pool, max_seq_len)
+    if role == "target" and not _exact(runner, pool):
+        device = runner.device
+        del runner                          # never two copies of the weights at once
+        _collect(device)
+        runner = _runner(_float32(spec), pool, max_seq_len)
     if _auto_may_take_float32(spec, pool, runner):
         runner = _faster_of(runner, _runner(_float32(spec), pool, max_seq_len), pool.batching.max_batch_size)
     return (DraftEngine if role == "draft" else TargetEngine)(runner, _grammar_masks(spec))
@@ -39,19 +43,27 @@ def _grammar_masks(spec: ModelSpec) -> GrammarMasks | None:
     return GrammarMasks(spec.path) if has_tokenizer else None
 
 
-def _exact(runner: Runner, spec: ModelSpec, pool: TargetPoolConfig, max_seq_len: int) -> Runner:
-    """A target in reduced precision runs only where its forward is batch-invariant
-    (invariance.py); elsewhere in float32, with a warning. A draft's dtype moves no output."""
+def _exact(runner: Runner, pool: TargetPoolConfig) -> bool:
+    """Whether the target may run as loaded: a target in reduced precision runs only where its
+    forward is batch-invariant (invariance.py); elsewhere in float32, with a warning. A
+    draft's dtype moves no output."""
     if pool.tp_size > 1 or runner.model.dtype == torch.float32:    # a group's shards all-reduce: not probed alone
-        return runner
+        return True
     from replicas.engines.huggingface.invariance import batch_invariant
 
     if batch_invariant(runner):
-        return runner
+        return True
     logger.warning("the target's %s forward is not batch-invariant on this machine (a verify's logits would "
-                   "differ from single steps, and speculation would change greedy output): it runs in float32",
-                   runner.model.dtype)
-    return _runner(_float32(spec), pool, max_seq_len)
+                   "differ from single steps, and speculation would change greedy output): it is loaded again "
+                   "in float32, after its %s weights are freed", runner.model.dtype, runner.model.dtype)
+    return False
+
+
+def _collect(device: torch.device) -> None:
+    """Free what was dropped (a runner's weights and caches) before anything else is loaded."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _auto_may_take_float32(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, runner: Runner) -> bool:

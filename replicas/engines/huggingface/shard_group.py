@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from replicas.engines.protocol import EngineBroken
-from replicas.engines.huggingface.loading import load_causal_lm, pick_device
+from replicas.engines.huggingface.loading import pick_device
 from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
-from replicas.engines.huggingface.tensor_parallel import shard_model
+from replicas.engines.huggingface.shard_loading import load_shard
 
 if TYPE_CHECKING:     # the config's types only: the engines run without pydantic (gpu_check)
     from cluster.config import ModelSpec
@@ -74,8 +74,7 @@ class Shard:
     def __init__(self, plan: ShardPlan, rank: int):
         self.plan, self.rank = plan, rank
         self.device = _shard_device(plan.spec, rank)
-        model = load_causal_lm(plan.spec, device=torch.device("cpu"))
-        self.runner = ModelRunner(shard_model(model, rank, plan.world).to(self.device), plan.max_cached_tokens,
+        self.runner = ModelRunner(load_shard(plan.spec, rank, plan.world, self.device), plan.max_cached_tokens,
                                   plan.max_seq_len, prefix_caching=plan.prefix_caching)
         self.channel = None
 

@@ -85,6 +85,22 @@ def _keep_columns(linear: nn.Linear, rank: int, world: int) -> None:
     linear.in_features = size
 
 
+def checkpoint_slice(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[slice, ...] | None:
+    """What shard `rank` keeps of the checkpoint's tensor `name` of `shape`, as _keep_rows and
+    _keep_columns cut it: rows of a column-parallel weight or bias, columns of a row-parallel
+    weight, everything of a replicated tensor; None for a row-parallel bias off shard 0 (zeros)."""
+    module, kind = name.rsplit(".", 1)
+    if any(module.endswith("." + column) for column in _COLUMN):
+        size = shape[0] // world
+        return (slice(rank * size, (rank + 1) * size),)
+    if any(module.endswith("." + row) for row in _ROW):
+        if kind == "bias":
+            return (slice(None),) if rank == 0 else None
+        size = shape[1] // world
+        return (slice(None), slice(rank * size, (rank + 1) * size))
+    return tuple(slice(None) for _ in shape)
+
+
 def _all_reduce_output(group):
     def hook(_module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
