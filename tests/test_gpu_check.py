@@ -21,6 +21,8 @@ from cluster.bench import gpu_check
 cpu = torch.device("cpu")
 print(json.dumps({{"greedy": gpu_check.greedy_matches(cpu, compiled=False),
                   "sampled": gpu_check.sampled_fits(cpu),
+                  "devices": gpu_check.device_selection(),
+                  "bfloat16": gpu_check.bfloat16_exactness(cpu, max_tokens=24),
                   "loaded": sorted(set({SERVING_PACKAGES!r}) & {{m.split(".")[0] for m in sys.modules if sys.modules[m]}})}}))
 """
 
@@ -30,4 +32,20 @@ def test_gpu_check_runs_with_torch_and_transformers_alone():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["greedy"]["ok"] and report["sampled"]["ok"], report
+    assert report["devices"] == {"ok": True, "auto_outside_ray": "cpu", "auto_without_a_reserved_gpu": "cpu"}
+    assert report["bfloat16"]["tokens_compared"] > 0 and "batch_invariant" in report["bfloat16"]
     assert report["loaded"] == []
+
+
+def test_a_part_running_at_the_deadline_is_stopped_and_the_rest_skipped(tmp_path):
+    """The lent machine's minutes are counted: --deadline-s stops the checklist hard, and
+    what was done is in the report."""
+    out = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "cluster.bench.gpu_check", "--device", "cpu", "--sizes", "tiny",
+                           "--deadline-s", "4", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    outcomes = list(json.loads(out.read_text())["parts"].values())
+    stopped = outcomes.index({"ok": False, "error": "stopped at the 4 s deadline"})   # whichever ran then
+    assert all("part_s" in outcome for outcome in outcomes[:stopped])
+    assert outcomes[stopped + 1:] == [{"skipped": "after the 4 s deadline"}] * (len(outcomes) - stopped - 1)
+    assert len(outcomes) == 7 and stopped < 6

@@ -4,13 +4,18 @@ no Ray and no package registry (copy the repository there and run it from its ro
     python -m cluster.bench.gpu_check --out gpu_check.json
 
 In order, each part timed and recorded as it ends, within --budget-s (a part that would start
-after it is recorded as skipped):
+after it is recorded as skipped) and a hard --deadline-s (a part running then is stopped):
+0. device selection: what `device: auto` picks here, and for a replica Ray gave no GPU.
 1. exactness on the device, with tiny random pairs in float32: greedy speculation on the
    engines, eager and compiled (`models.*.compile: on`), equals Hugging Face's greedy
    generate() of the target alone for k 1, 3 and 5; sampled speculation's first two tokens
    fit the target's exact joint distribution (chi-square at 0.1 %; the reference is a plain
-   softmax of full forward passes, temperature 1).
-2. the engine alone for random-weight Llamas of real sizes (--sizes, default 1.5b and 8b, in
+   softmax of full forward passes, temperature 1). In bfloat16: whether the target passes
+   the start-up invariance probe here (else replicas run it in float32), and how many greedy
+   tokens of speculation differ from the engine's own single steps.
+2. attention memory: the bfloat16 attention's peak over a 16 x 2,048-token prefill with an
+   8 B model's heads, against its scores all at once.
+3. the engine alone for random-weight Llamas of real sizes (--sizes, default 1.5b and 8b, in
    bfloat16): eager and compiled ms per forward at 1, 8 and 32 sequences of 1 and 5 new
    positions over 512 cached ones, against a plain transformers forward and the weight-read
    floor (cluster/bench/engine.py), with each size's compile time.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -116,6 +122,65 @@ def sampled_fits(device: torch.device, samples: int = 2000, batch: int = 8, k: i
     return {"ok": p_value > ALPHA, "p_value": p_value, "samples": samples}
 
 
+def device_selection() -> dict:
+    """What `device: auto` picks (replicas/engines/huggingface/loading.py): outside Ray any CUDA
+    device; a replica Ray gave no GPU, the CPU even here."""
+    from replicas.engines.huggingface.loading import pick_device
+
+    here = str(pick_device("auto"))
+    unreserved = str(pick_device("auto", reserved_gpus=[]))
+    return {"ok": unreserved == "cpu" and here == ("cuda" if torch.cuda.is_available() else "cpu"),
+            "auto_outside_ray": here, "auto_without_a_reserved_gpu": unreserved}
+
+
+@torch.inference_mode()
+def bfloat16_exactness(device: torch.device, max_tokens: int = 64) -> dict:
+    """Whether a bfloat16 target's forward passes the start-up invariance probe on this device
+    (invariance.py: a failing target runs in float32), and how often greedy speculation's
+    tokens differ from the engine's own single steps (k 0), counted, whatever the probe said."""
+    from replicas.engines.huggingface.invariance import batch_invariant
+
+    target, draft = (model.to(torch.bfloat16) for model in tiny_pair(device, 64, seed=3))
+    drafter, verifier = engines(target, draft, compiled=False)
+    invariant = batch_invariant(verifier.runner)
+    compared = differing = 0
+    for k in (1, 3, 5):
+        for i, prompt in enumerate(GREEDY_PROMPTS):
+            alone = speculate(drafter, verifier, prompt, 0, f"alone-{k}-{i}", max_tokens)
+            speculated = speculate(drafter, verifier, prompt, k, f"k{k}-{i}", max_tokens)
+            compared += len(alone)
+            differing += next((len(alone) - j for j, (a, b) in enumerate(zip(alone, speculated)) if a != b), 0)
+    return {"ok": invariant and differing == 0, "batch_invariant": invariant, "tokens_compared": compared,
+            "tokens_after_a_difference": differing}
+
+
+@torch.inference_mode()
+def attention_memory(device: torch.device) -> dict:
+    """Peak memory of the bfloat16 attention (llama_forward._attention) over a prefill of 16 x
+    2,048 tokens with an 8 B model's heads (32 query, 8 key/value, 128 wide); on a CPU 16 x
+    512 of 4 heads. All its float32 scores at once would be [16, 32, 2048, 2048]: 8.6 GB."""
+    from replicas.engines.huggingface.llama_forward import _attention
+
+    rows, width, heads, kv_heads, dim = (16, 2048, 32, 8, 128) if device.type == "cuda" else (16, 512, 4, 4, 64)
+    query = torch.randn(rows, heads, width, dim, device=device, dtype=torch.bfloat16)
+    key, value = (torch.randn(rows, kv_heads, width, dim, device=device, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, 1, width, width)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    started = time.perf_counter()
+    _attention(query, key, value, mask, dim ** -0.5, heads // kv_heads, dim)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    report = {"shape": [rows, width, heads, kv_heads, dim], "ms": round((time.perf_counter() - started) * 1000, 1),
+              "all_scores_at_once_bytes": rows * heads * width * width * 4}
+    if device.type == "cuda":
+        report["peak_bytes_over_inputs"] = torch.cuda.max_memory_allocated(device) - base
+        report["ok"] = report["peak_bytes_over_inputs"] < report["all_scores_at_once_bytes"] / 8
+    return report
+
+
 def engine_figures(size: str, device: torch.device, dtype: torch.dtype, context: int, repeats: int) -> dict:
     model = random_llama(size, device, dtype)
     started = time.perf_counter()
@@ -135,23 +200,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=450.0, help="no part starts after this (default: %(default)s)")
+    parser.add_argument("--deadline-s", type=float, default=480.0,
+                        help="a part still running then is stopped and recorded as such (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     args = parser.parse_args(argv)
     device, started = torch.device(args.device), time.perf_counter()
+    signal.signal(signal.SIGALRM, _over_deadline)
+    signal.setitimer(signal.ITIMER_REAL, args.deadline_s)    # a hard stop: the lent machine's time is counted
     report: dict = {"device": str(device), "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "parts": {}}
-    parts = [("greedy_eager", lambda: greedy_matches(device, compiled=False)),
+    parts = [("device_selection", device_selection),
+             ("greedy_eager", lambda: greedy_matches(device, compiled=False)),
              ("greedy_compiled", lambda: greedy_matches(device, compiled=True)),
-             ("sampled_chi_square", lambda: sampled_fits(device))]
+             ("sampled_chi_square", lambda: sampled_fits(device)),
+             ("bfloat16_exactness", lambda: bfloat16_exactness(device)),
+             ("attention_memory", lambda: attention_memory(device))]
     parts += [(f"engine_{size}", lambda size=size: engine_figures(size, device, getattr(torch, args.dtype),
                                                                   args.context, args.repeats)) for size in args.sizes]
+    past_deadline = False
     for name, part in parts:
-        if time.perf_counter() - started > args.budget_s:
-            report["parts"][name] = {"skipped": f"over the {args.budget_s:.0f} s budget"}
+        if past_deadline or time.perf_counter() - started > args.budget_s:
+            when = f"the {args.deadline_s:.0f} s deadline" if past_deadline else f"the {args.budget_s:.0f} s budget"
+            report["parts"][name] = {"skipped": f"after {when}"}
         else:
             began = time.perf_counter()
             try:
                 report["parts"][name] = {**part(), "part_s": round(time.perf_counter() - began, 1)}
+            except PastDeadline:
+                report["parts"][name] = {"ok": False, "error": f"stopped at the {args.deadline_s:.0f} s deadline"}
+                past_deadline = True
             except Exception as exc:  # noqa: BLE001 - recorded, and the other parts still run
                 report["parts"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         args.out.write_text(json.dumps(report, indent=2))      # what is done survives a cut-off
@@ -160,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {'failed: ' + ', '.join(failed) if failed else 'ok'} in {time.perf_counter() - started:.0f} s "
           f"({args.out})", flush=True)
     return 1 if failed else 0
+
+
+class PastDeadline(BaseException):
+    """Raised in the part running at the deadline (a BaseException: a part's own handlers let it pass)."""
+
+
+def _over_deadline(signum, frame) -> None:
+    raise PastDeadline
 
 
 if __name__ == "__main__":
