@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -137,11 +137,17 @@ class _ScaledPool(Strict):
 
 
 class KVCacheConfig(Strict):
-    max_tokens: int = Field(
-        32768, ge=1, description="Cached positions a replica keeps over all its sequences, in "
-                                 "max_tokens // limits.context_length slots of limits.context_length positions; "
-                                 "beyond this the least recently used sequences are evicted and rebuilt from "
-                                 "their token ids on their next call.")
+    max_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Cached positions a replica keeps over all its sequences, in "
+                            "max_tokens // limits.context_length slots of limits.context_length positions; "
+                            "beyond this the least recently used sequences are evicted and rebuilt from "
+                            "their token ids on their next call. 'auto': on a GPU, memory_fraction of the memory "
+                            "free once the weights are loaded, over what a position costs (layers x key/value "
+                            "heads x head size x 2 x the dtype's bytes); on a CPU 32768.")
+    memory_fraction: float = Field(
+        0.8, gt=0, le=1, description="With max_tokens 'auto' on a GPU: the share of the device memory free after "
+                                     "the weights that the KV cache may take (the rest: activations, "
+                                     "other processes).")
     prefix_caching: bool = Field(
         True, description="Keep finished sequences' caches (evicted first) and start a new sequence from the "
                           "longest prefix of its tokens, 16 positions or more, that any cached sequence holds: "

@@ -94,9 +94,12 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
 
         if spec.compile == "on" and spec.compile_cache_dir is not None:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(spec.compile_cache_dir)   # read when inductor writes
+        from replicas.engines.huggingface.kv_sizing import kv_cache_tokens
         from replicas.engines.huggingface.model_runner import ModelRunner
 
-        return ModelRunner(load_causal_lm(spec), pool.kv_cache.max_tokens, max_seq_len, compiled=spec.compile == "on",
+        model = load_causal_lm(spec)
+        tokens = kv_cache_tokens(pool.kv_cache.max_tokens, model, model.device, pool.kv_cache.memory_fraction)
+        return ModelRunner(model, tokens, max_seq_len, compiled=spec.compile == "on",
                            prefix_caching=pool.kv_cache.prefix_caching, fused_cpu=spec.compile == "auto",
                            fused_cache_dir=spec.compile_cache_dir)
     from replicas.engines.huggingface.shard_group import launch_in_placement_group
@@ -106,4 +109,5 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
                        "the shards run eager")
 
     return launch_in_placement_group(spec, pool.kv_cache.max_tokens, max_seq_len, pool.tp_size,
-                                     pool.resources.ray_actor_options(), pool.kv_cache.prefix_caching)
+                                     pool.resources.ray_actor_options(), pool.kv_cache.prefix_caching,
+                                     pool.kv_cache.memory_fraction)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from replicas.engines.protocol import EngineBroken
+from replicas.engines.huggingface.kv_sizing import kv_cache_tokens
 from replicas.engines.huggingface.loading import pick_device
 from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
 from replicas.engines.huggingface.shard_loading import load_shard
@@ -54,11 +55,12 @@ class ShardGroupBroken(EngineBroken):
 @dataclass(frozen=True)
 class ShardPlan:
     spec: ModelSpec
-    max_cached_tokens: int
+    max_cached_tokens: int | str     # or "auto": each shard sizes its cache (kv_sizing.py)
     world: int
     init_method: str             # tcp://host:port of rank 0's rendezvous
     max_seq_len: int | None = None   # every KV slot's length (None: the model's positions)
     prefix_caching: bool = True      # model_runner.ModelRunner's
+    kv_memory_fraction: float = 0.8  # kv_cache.memory_fraction, for "auto"
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,9 @@ class Shard:
     def __init__(self, plan: ShardPlan, rank: int):
         self.plan, self.rank = plan, rank
         self.device = _shard_device(plan.spec, rank)
-        self.runner = ModelRunner(load_shard(plan.spec, rank, plan.world, self.device), plan.max_cached_tokens,
-                                  plan.max_seq_len, prefix_caching=plan.prefix_caching)
+        model = load_shard(plan.spec, rank, plan.world, self.device)
+        tokens = kv_cache_tokens(plan.max_cached_tokens, model, self.device, plan.kv_memory_fraction)
+        self.runner = ModelRunner(model, tokens, plan.max_seq_len, prefix_caching=plan.prefix_caching)
         self.channel = None
 
     def join(self) -> None:
@@ -198,8 +201,9 @@ def _rendezvous(host: str) -> str:
 
 # ---------------------------------------------------------------- launching the followers
 
-def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int, max_seq_len: int, world: int,
-                              shard_options: dict, prefix_caching: bool = True) -> ShardedRunner:
+def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int | str, max_seq_len: int, world: int,
+                              shard_options: dict, prefix_caching: bool = True,
+                              kv_memory_fraction: float = 0.8) -> ShardedRunner:
     """From inside a Ray actor (a Serve replica) that holds bundle 0 of its placement group:
     followers as Ray actors in bundles 1..world-1, each with `shard_options` (num_cpus,
     num_gpus, resources)."""
@@ -207,7 +211,7 @@ def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int, max_seq_l
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous(ray.util.get_node_ip_address()), max_seq_len,
-                     prefix_caching)
+                     prefix_caching, kv_memory_fraction)
     group = ray.util.get_current_placement_group()
     if group is None:
         raise RuntimeError(f"tp_size {world} needs the replica to run in a placement group of {world} bundles")
