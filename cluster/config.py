@@ -183,6 +183,10 @@ class _ModelPoolConfig(_ScaledPool):
     max_ongoing_requests: int = Field(64, ge=1, description="Calls a replica accepts at once (Ray Serve's "
                                                             "max_ongoing_requests); more are routed elsewhere.")
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    prefill_chunk_tokens: int | None = Field(
+        None, ge=16, description="The most new positions a sequence computes in one forward pass: a longer prompt "
+                                 "is prefilled in chunks of this many, each extending the cache the next reuses, "
+                                 "so a long prompt's activations stay bounded (chunked prefill). None: whole.")
 
     @model_validator(mode="after")
     def shards_need_resources(self):

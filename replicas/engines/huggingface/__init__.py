@@ -101,7 +101,7 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
         tokens = kv_cache_tokens(pool.kv_cache.max_tokens, model, model.device, pool.kv_cache.memory_fraction)
         return ModelRunner(model, tokens, max_seq_len, compiled=spec.compile == "on",
                            prefix_caching=pool.kv_cache.prefix_caching, fused_cpu=spec.compile == "auto",
-                           fused_cache_dir=spec.compile_cache_dir)
+                           fused_cache_dir=spec.compile_cache_dir, prefill_chunk=pool.prefill_chunk_tokens)
     from replicas.engines.huggingface.shard_group import launch_in_placement_group
 
     if spec.compile == "on":
@@ -110,4 +110,4 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
 
     return launch_in_placement_group(spec, pool.kv_cache.max_tokens, max_seq_len, pool.tp_size,
                                      pool.resources.ray_actor_options(), pool.kv_cache.prefix_caching,
-                                     pool.kv_cache.memory_fraction)
+                                     pool.kv_cache.memory_fraction, pool.prefill_chunk_tokens)

@@ -59,7 +59,7 @@ class Extension:
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
                  lean: bool = True, compiled: bool = False, prefix_caching: bool = True,
-                 fused_cpu: bool = False, fused_cache_dir: Path | None = None):
+                 fused_cpu: bool = False, fused_cache_dir: Path | None = None, prefill_chunk: int | None = None):
         """lean: run a plain Llama decoder through LlamaForward (the same arithmetic with far
         less Python per call); other models, or lean=False, run through their own modules.
         prefix_caching: a new sequence takes the longest prefix of its tokens that any cached
@@ -67,7 +67,10 @@ class ModelRunner:
         compiled: LlamaForward's layers compiled (llama_forward.py), each shape class compiled
         here, before the first call; where that fails, eager with a warning.
         fused_cpu: a float32 plain Llama on a CPU runs as one C call a step (fused_cpu.py; its
-        library built into fused_cache_dir), eager where that does not apply or cannot be built."""
+        library built into fused_cache_dir), eager where that does not apply or cannot be built.
+        prefill_chunk: the most new positions a sequence computes in one forward pass; a longer
+        prefill runs in chunks of it (chunked prefill), each extending the cache the next one
+        reuses, so a long prompt's activations stay bounded. None: whole."""
         _check_plain_output_layer(model.config)
         self.model = model
         self.decoder = LlamaForward(model) if lean and LlamaForward.supports(model) else self._module_decoder
@@ -79,6 +82,8 @@ class ModelRunner:
         self.storage = SlotStorage(self.max_seq_len)
         self.compile_s: float | None = None      # how long compiling took, where it ran
         self.prefix_caching = prefix_caching
+        self.prefill_chunk = prefill_chunk
+        self.widest_pass = 0                     # the most new positions a row computed in one pass
         if compiled:
             self._compile()
         elif fused_cpu and self.lean:
@@ -130,6 +135,11 @@ class ModelRunner:
             if not 1 <= call.num_logits <= len(call.tokens) <= self.max_seq_len:
                 raise ValueError(f"a call of {len(call.tokens)} tokens wanting {call.num_logits} logits does not fit "
                                  f"this model's {self.max_seq_len} positions")
+        if self.prefill_chunk:
+            self._prefill_in_chunks(calls)
+        return self._extend_whole(calls)
+
+    def _extend_whole(self, calls: list[ExtendCall]) -> list[Extension]:
         results: list[Extension | None] = [None] * len(calls)
         for wave in _distinct_sequences(calls):
             if self.prefix_caching:
@@ -144,6 +154,22 @@ class ModelRunner:
                 for i, extension in zip(indices, self._run([calls[i] for i in indices])):
                     results[i] = extension
         return results
+
+    def _prefill_in_chunks(self, calls: list[ExtendCall]) -> None:
+        """Bring every call within prefill_chunk new positions: calls with more run first as
+        calls of their leading tokens, a chunk at a time, together (their logits unused)."""
+        chunk, left = self.prefill_chunk, {}
+        while True:
+            ahead = {}
+            for call in calls:
+                new = len(call.tokens) - self._reusable(call)
+                # (a cache evicted in between makes no progress: that call then runs whole)
+                if chunk < new < left.get(call.seq_id, new + 1) and call.seq_id not in ahead:
+                    ahead[call.seq_id] = ExtendCall(call.seq_id, call.tokens[:len(call.tokens) - new + chunk], 1)
+                    left[call.seq_id] = new
+            if not ahead:
+                return
+            self._extend_whole(list(ahead.values()))
 
     def release(self, seq_id: str) -> None:
         """Forget the sequence's cache (a probe's, or one that may hold bad numbers)."""
@@ -211,6 +237,7 @@ class ModelRunner:
         for call in calls:
             r = slots[call.seq_id] - lo
             cached[r], new[r] = reuse[call.seq_id], len(call.tokens) - reuse[call.seq_id]
+        self.widest_pass = max(self.widest_pass, max(new))
         input_ids = torch.full((rows, max(new)), self.pad_id, dtype=torch.long)          # [R, N]
         for call in calls:
             r = slots[call.seq_id] - lo

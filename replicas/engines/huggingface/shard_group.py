@@ -61,6 +61,7 @@ class ShardPlan:
     max_seq_len: int | None = None   # every KV slot's length (None: the model's positions)
     prefix_caching: bool = True      # model_runner.ModelRunner's
     kv_memory_fraction: float = 0.8  # kv_cache.memory_fraction, for "auto"
+    prefill_chunk: int | None = None  # prefill_chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ class Shard:
         self.device = _shard_device(plan.spec, rank)
         model = load_shard(plan.spec, rank, plan.world, self.device)
         tokens = kv_cache_tokens(plan.max_cached_tokens, model, self.device, plan.kv_memory_fraction)
-        self.runner = ModelRunner(model, tokens, plan.max_seq_len, prefix_caching=plan.prefix_caching)
+        self.runner = ModelRunner(model, tokens, plan.max_seq_len, prefix_caching=plan.prefix_caching,
+                                  prefill_chunk=plan.prefill_chunk)
         self.channel = None
 
     def join(self) -> None:
@@ -203,7 +205,7 @@ def _rendezvous(host: str) -> str:
 
 def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int | str, max_seq_len: int, world: int,
                               shard_options: dict, prefix_caching: bool = True,
-                              kv_memory_fraction: float = 0.8) -> ShardedRunner:
+                              kv_memory_fraction: float = 0.8, prefill_chunk: int | None = None) -> ShardedRunner:
     """From inside a Ray actor (a Serve replica) that holds bundle 0 of its placement group:
     followers as Ray actors in bundles 1..world-1, each with `shard_options` (num_cpus,
     num_gpus, resources)."""
@@ -211,7 +213,7 @@ def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int | str, max
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous(ray.util.get_node_ip_address()), max_seq_len,
-                     prefix_caching, kv_memory_fraction)
+                     prefix_caching, kv_memory_fraction, prefill_chunk)
     group = ray.util.get_current_placement_group()
     if group is None:
         raise RuntimeError(f"tp_size {world} needs the replica to run in a placement group of {world} bundles")
