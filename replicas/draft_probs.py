@@ -42,8 +42,25 @@ class TopProbs:
     @classmethod
     def of(cls, rows: torch.Tensor, top: int) -> TopProbs:
         """Rows [k, V] of cut_to_top's output (at most `top` nonzero entries each)."""
-        kept = rows.topk(min(top, rows.shape[-1]), dim=-1)
-        return cls(kept.indices.cpu(), kept.values.cpu(), rows.shape[-1])
+        return cls.of_calls([list(rows)], top)[0]
+
+    @classmethod
+    def of_calls(cls, calls: list[list[torch.Tensor]], top: int) -> list[TopProbs | None]:
+        """Each call's rows [V] of cut_to_top's output as TopProbs on the host (None for a call
+        without rows), every call's in one transfer from the device: ids and values travel
+        together as float64, which holds both exactly (ids below 2^53, float32 values)."""
+        if not any(calls):
+            return [None] * len(calls)
+        every = torch.stack([row for rows in calls for row in rows])                 # [sum k, V]
+        kept = every.topk(min(top, every.shape[-1]), dim=-1)
+        both = torch.stack([kept.indices.double(), kept.values.double()]).cpu()    # [2, sum k, m]
+        ids, values = both[0].long(), both[1].to(every.dtype)
+        out, start = [], 0
+        for rows in calls:
+            out.append(cls(ids[start:start + len(rows)], values[start:start + len(rows)], every.shape[-1])
+                       if rows else None)
+            start += len(rows)
+        return out
 
     @property
     def shape(self) -> tuple[int, int]:

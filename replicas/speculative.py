@@ -63,11 +63,31 @@ def sampled_rounds(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> list[RoundOutcome | NonFiniteDistribution]:
+    """The rule for B sequences at once (sampled_decisions), read to the host."""
+    return sampled_outcomes(sampled_decisions(target_logits, drafts, draft_probs, params, generators).tolist(),
+                            drafts)
+
+
+def sampled_outcomes(decisions: list[list[int]], drafts: list[list[int]]) -> list[RoundOutcome | NonFiniteDistribution]:
+    """sampled_decisions' [3, B] values, read, as each row's outcome."""
+    counts, tokens, failed = decisions
+    return [NonFiniteDistribution() if failed[b] else RoundOutcome(counts[b], drafts[b][:counts[b]] + [tokens[b]])
+            for b in range(len(drafts))]
+
+
+def sampled_decisions(
+    target_logits: list[torch.Tensor],
+    drafts: list[list[int]],
+    draft_probs: list[torch.Tensor | None],
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> torch.Tensor:
     """The rule for B sequences at once, on the logits' device. Row b: target_logits[b]
     [k_b + 1, V], drafts[b] k_b ids, draft_probs[b] q [k_b, V] or None when the draft proposed
     greedily (q one-hot at each draft), generators[b] on the logits' device. Rows are padded
-    to K = max k_b; only the accepted counts and one sampled token per row leave the device.
-    A row whose distribution to sample from is not finite gets NonFiniteDistribution."""
+    to K = max k_b. Returns [3, B] on the device: each row's accepted count n, the token
+    after them, and 1 where the distribution to sample from was not finite (its row then
+    gets NonFiniteDistribution); nothing is read to the host here."""
     rows, K = len(drafts), max(len(d) for d in drafts)
     device = target_logits[0].device
     lengths = torch.tensor([len(d) for d in drafts], device=device)                     # [B]
@@ -91,9 +111,7 @@ def sampled_rounds(
     broken = ~sampleable(follow)                                                       # [B]
     follow = torch.where(broken[:, None], torch.ones_like(follow), follow)
     token = torch.cat([torch.multinomial(follow[b], 1, generator=generators[b]) for b in range(rows)])
-    counts, tokens, failed = torch.stack([accepted, token, broken.long()]).tolist()
-    return [NonFiniteDistribution() if failed[b]
-            else RoundOutcome(counts[b], drafts[b][:counts[b]] + [tokens[b]]) for b in range(rows)]
+    return torch.stack([accepted, token, broken.long()])
 
 
 def _padded(rows: torch.Tensor, length: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from replicas.device_reads import DeviceReads
 from replicas.draft_probs import DEFAULT_TOP, TopProbs, cut_to_top
 from replicas.engines.huggingface.kv_cache import KVCacheStore
 from replicas.grammar import GrammarMasks
@@ -29,9 +30,8 @@ from replicas.engines.huggingface.model_runner import ExtendCall, Extension, Mod
 from replicas.engines.huggingface.timing import startup_passes
 from replicas.protocol import BatchCost, PassRecord, Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 from replicas.gumbel import gumbel_choices
-from replicas.sampling import (NonFiniteDistribution, check_finite, make_generator, sample, sampleable,
-                               warped_probs)
-from replicas.speculative import greedy_round, sampled_rounds
+from replicas.sampling import NonFiniteDistribution, make_generator, sampleable, warped_probs
+from replicas.speculative import greedy_round, sampled_decisions, sampled_outcomes
 
 
 class Runner(Protocol):
@@ -137,8 +137,9 @@ class DraftEngine(_Engine):
         model_ms = (time.perf_counter() - started) * 1000
         mean_rows = sum(batch_rows) / len(batch_rows) if batch_rows else 0.0
         batch = self._batch(passes)
-        return [failures.get(i) or Proposal(drafts[i], TopProbs.of(torch.stack(rows[i]), self.probs_top) if rows[i] else None,
-                                            fed[i], mean_rows, model_ms, steps=len(batch_rows), batch=batch)
+        probs = TopProbs.of_calls(rows, self.probs_top)
+        return [failures.get(i) or Proposal(drafts[i], probs[i], fed[i], mean_rows, model_ms, steps=len(batch_rows),
+                                            batch=batch)
                 for i in range(len(requests))]
 
     def _draft_sampling(self, sampling):
@@ -152,32 +153,39 @@ class DraftEngine(_Engine):
                 histories: list[list[int]]) -> dict[int, int]:
         """This step's draft token of each active request, from its logits adjusted by its
         penalties and bias over its history (the tokens before the one drafted): the argmax
-        of every greedy row in one transfer; for a seeded request the Gumbel-max choice from q
-        at its position; a sample from q for the others (q kept for the target's rule)."""
-        logits = {}
+        for a greedy row; for a seeded request the Gumbel-max choice from q at its position;
+        a sample from q for the others (q kept for the target's rule). Chosen on the device
+        and read in one transfer (replicas/device_reads.py), with whether each q was finite."""
+        reads, picked = DeviceReads(), {}
         for i, extension, history in zip(active, extensions, histories):
-            try:
-                logits[i] = adjusted_logits(extension.logits, self._draft_sampling(requests[i].sampling), history,
-                                            requests[i].prompt_len, self.grammars)
-            except Exception as exc:  # noqa: BLE001 - this row alone fails
-                failures[i] = RowError.of(requests[i].seq_id, exc)
-        greedy = [i for i in logits if requests[i].sampling.greedy]
-        chosen = {i: choices[0] for i, choices in zip(greedy, _argmax_rows([logits[i] for i in greedy]))}
-        for i, history in zip(active, histories):
             request = requests[i]
-            if request.sampling.greedy or i not in logits:
-                continue
             try:
-                q = warped_probs(logits[i], request.sampling)[0]  # [V]
-                if request.noise_seed is not None:
-                    check_finite(q)
-                    chosen[i] = int(gumbel_choices(q[None], request.noise_seed, len(history))[0])
+                logits = adjusted_logits(extension.logits, self._draft_sampling(request.sampling), history,
+                                         request.prompt_len, self.grammars)[0]          # [V]
+                if request.sampling.greedy:
+                    picked[i] = reads.add(logits.argmax(-1))
                     continue
-                q = cut_to_top(q, self.probs_top)              # what is sampled is what is sent
-                chosen[i] = sample(q, generators[i])
-                rows[i].append(q)
+                q = warped_probs(logits[None], request.sampling)[0]                     # [V]
+                finite = sampleable(q)
+                if request.noise_seed is not None:
+                    choice = gumbel_choices(q[None], request.noise_seed, len(history))[0]
+                else:
+                    q = cut_to_top(q, self.probs_top)              # what is sampled is what is sent
+                    # (a q that is not finite fails its row below; multinomial must not see it)
+                    choice = torch.multinomial(torch.where(finite, q, torch.ones_like(q)), 1,
+                                               generator=generators[i])[0]
+                    rows[i].append(q)
+                picked[i] = reads.add(torch.stack([choice, ~finite]))
             except Exception as exc:  # noqa: BLE001 - this row alone fails
-                failures[i] = RowError.of(requests[i].seq_id, exc)
+                failures[i] = RowError.of(request.seq_id, exc)
+        values = reads.read()
+        chosen = {}
+        for i, handle in picked.items():
+            choice, *broken = values[handle]
+            if any(broken):
+                failures[i] = RowError.of(requests[i].seq_id, NonFiniteDistribution())
+            else:
+                chosen[i] = choice
         return chosen
 
 
@@ -242,56 +250,74 @@ class TargetEngine(_Engine):
                             extension.batch_positions, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _decide(self, requests: list[VerifyRequest], logits: list[torch.Tensor]) -> list:
-        outcomes: list = [None] * len(requests)
-        poisoned = torch.stack([row.isnan().any() for row in logits]).tolist()
-        for i, bad in enumerate(poisoned):
-            if bad:
-                outcomes[i] = NonFiniteDistribution("the target model's logits hold NaN")
+        """Every row's outcome, decided on the device and read to the host in one transfer
+        (replicas/device_reads.py): whether its logits hold NaN, then greedy rows' argmaxes,
+        seeded rows' Gumbel-max choices and sampled rows' rule. A row's error is its outcome."""
+        reads = DeviceReads()
+        poisoned = reads.add(torch.stack([row.isnan().any() for row in logits]))
         # p of every position of the window, from the sequence's tokens up to it, drafts included
         logits = [adjusted_logits(rows, r.sampling, list(r.tokens) + list(r.draft_tokens), r.prompt_len, self.grammars)
                   for rows, r in zip(logits, requests)]
-        greedy = [i for i, r in enumerate(requests) if r.sampling.greedy and outcomes[i] is None]
-        for i, choices in zip(greedy, _argmax_rows([logits[i] for i in greedy])):
-            outcomes[i] = greedy_round(choices, list(requests[i].draft_tokens))
-        seeded = [i for i, r in enumerate(requests) if r.noise_seed is not None and outcomes[i] is None
-                  and not r.sampling.greedy]
-        for i in seeded:
-            outcomes[i] = self._seeded_round(requests[i], logits[i])
+        pending: list = [None] * len(requests)    # a handle into reads, or the row's error
+        greedy = [i for i, r in enumerate(requests) if r.sampling.greedy]
+        if greedy:
+            argmaxes = reads.add(torch.cat([logits[i].argmax(-1) for i in greedy]))
         for i, request in enumerate(requests):
-            if outcomes[i] is None and not _draft_probs_fit(request, logits[i].shape[-1]):
-                outcomes[i] = ValueError(f"draft_probs of shape {tuple(request.draft_probs.shape)} for "
-                                         f"{len(request.draft_tokens)} drafts over {logits[i].shape[-1]} tokens")
-        sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy and outcomes[i] is None]
+            if request.noise_seed is not None and not request.sampling.greedy:
+                pending[i] = self._seeded_choices(request, logits[i], reads)
+            elif not request.sampling.greedy and not _draft_probs_fit(request, logits[i].shape[-1]):
+                pending[i] = ValueError(f"draft_probs of shape {tuple(request.draft_probs.shape)} for "
+                                        f"{len(request.draft_tokens)} drafts over {logits[i].shape[-1]} tokens")
+        sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy and pending[i] is None]
         if sampled:
-            device = logits[0].device
-            for i, outcome in zip(sampled, self._sampled_rounds([requests[i] for i in sampled],
-                                                                [logits[i] for i in sampled], device)):
-                outcomes[i] = outcome
+            for i, decided in zip(sampled, self._sampled_decisions([requests[i] for i in sampled],
+                                                                   [logits[i] for i in sampled], logits[0].device)):
+                pending[i] = decided if isinstance(decided, Exception) else reads.add(decided)
+        values = reads.read()
+        outcomes: list = [None] * len(requests)
+        if greedy:
+            at = 0
+            for i in greedy:
+                window = len(requests[i].draft_tokens) + 1
+                outcomes[i] = greedy_round(values[argmaxes][at:at + window], list(requests[i].draft_tokens))
+                at += window
+        for i, request in enumerate(requests):
+            if values[poisoned][i]:
+                outcomes[i] = NonFiniteDistribution("the target model's logits hold NaN")
+            elif isinstance(pending[i], Exception):
+                outcomes[i] = pending[i]
+            elif request.noise_seed is not None and not request.sampling.greedy:
+                broken, *choices = values[pending[i]]
+                outcomes[i] = NonFiniteDistribution() if broken else greedy_round(choices, list(request.draft_tokens))
+            elif i in sampled:
+                outcomes[i] = sampled_outcomes([[value] for value in values[pending[i]]], [list(request.draft_tokens)])[0]
         return [self._row_result(request, outcome) for request, outcome in zip(requests, outcomes)]
 
     @staticmethod
-    def _seeded_round(request: VerifyRequest, logits: torch.Tensor):
-        """The target's Gumbel-max choice at each of the k + 1 positions (replicas/gumbel.py);
-        drafts kept while they equal it. A row's failure is its outcome."""
+    def _seeded_choices(request: VerifyRequest, logits: torch.Tensor, reads: DeviceReads) -> int | Exception:
+        """The target's Gumbel-max choice at each of the k + 1 positions (replicas/gumbel.py),
+        after a flag of whether p is finite; drafts are kept while they equal it. Returns the
+        handle of [flag, choices...] in reads, or the row's error."""
         try:
             p = warped_probs(logits, request.sampling)                       # [k + 1, V]
-            if not bool(sampleable(p).all()):
-                return NonFiniteDistribution()
-            choices = gumbel_choices(p, request.noise_seed, len(request.tokens)).tolist()
+            choices = gumbel_choices(p, request.noise_seed, len(request.tokens))
+            return reads.add(torch.cat([(~sampleable(p).all())[None], choices]))
         except Exception as exc:  # noqa: BLE001 - this row alone fails
             return exc
-        return greedy_round(choices, list(request.draft_tokens))
 
     @staticmethod
-    def _sampled_rounds(requests: list[VerifyRequest], logits: list[torch.Tensor], device) -> list:
+    def _sampled_decisions(requests: list[VerifyRequest], logits: list[torch.Tensor], device) -> list:
+        """Each row's [3] decisions on the device (replicas/speculative.py sampled_decisions),
+        or its error."""
         try:
-            return sampled_rounds(logits, [list(r.draft_tokens) for r in requests], [_dense(r.draft_probs, device)
-                                                                                     for r in requests],
-                                  [r.sampling for r in requests], [make_generator(r.seed, device) for r in requests])
+            decided = sampled_decisions(logits, [list(r.draft_tokens) for r in requests],
+                                        [_dense(r.draft_probs, device) for r in requests],
+                                        [r.sampling for r in requests], [make_generator(r.seed, device) for r in requests])
+            return [decided[:, b] for b in range(len(requests))]
         except Exception as exc:  # noqa: BLE001 - one row's bad input (its q, its params): find it alone
             if len(requests) == 1:
                 return [exc]
-            return [TargetEngine._sampled_rounds([r], [row], device)[0] for r, row in zip(requests, logits)]
+            return [TargetEngine._sampled_decisions([r], [row], device)[0] for r, row in zip(requests, logits)]
 
     def _row_result(self, request: VerifyRequest, outcome):
         if isinstance(outcome, Exception):
@@ -329,15 +355,3 @@ def _dense(q: TopProbs | torch.Tensor | None, device) -> torch.Tensor | None:
 def _draft_probs_fit(request: VerifyRequest, vocab: int) -> bool:
     q = request.draft_probs
     return q is None or tuple(q.shape) == (len(request.draft_tokens), vocab)
-
-
-def _argmax_rows(logits: list[torch.Tensor]) -> list[list[int]]:
-    """The argmax of every row of each [n, V] tensor, all in one transfer from the device."""
-    if not logits:
-        return []
-    flat = torch.cat([rows.argmax(-1) for rows in logits]).tolist()
-    out, start = [], 0
-    for rows in logits:
-        out.append(flat[start:start + rows.shape[0]])
-        start += rows.shape[0]
-    return out
