@@ -32,11 +32,11 @@ from cluster.config import DraftPoolConfig, ModelSpec, TargetPoolConfig
 from replicas.batcher import Batcher
 from replicas.direct_channel import ChannelServer
 from replicas.engines import EngineBroken, build_engine
+from replicas.engines.protocol import end_broken_replica
 from replicas.metrics import GAUGE_REFRESH_S, PoolMetrics, refresh_every
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
 
 logger = logging.getLogger("ray.serve")
-_BROKEN_EXIT_CODE = 70
 
 
 class _ModelReplica:
@@ -71,11 +71,11 @@ class _ModelReplica:
     async def _on_worker(self, fn, *args):
         try:
             return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
-        except EngineBroken:
+        except EngineBroken as exc:
             # The replica is beyond repair: end it, so that Serve replaces it whole and the
             # router retries the calls that were in flight on the replacement.
-            logger.exception("the %s replica's engine broke; exiting so that it is replaced", self.role)
-            os._exit(_BROKEN_EXIT_CODE)
+            logger.exception("the %s replica's engine broke", self.role)
+            end_broken_replica(f"{self.role}: {exc}")
 
     async def _submit_all(self, requests: list) -> list:
         """The calls a router gathered; they join the batch of every other router's calls.

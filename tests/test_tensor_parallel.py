@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from ray import serve
 from cluster.config import ModelSpec
 from replicas.engines.huggingface.loading import load_causal_lm
 from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
-from replicas.engines.huggingface.shard_group import launch_local
+from replicas.engines.huggingface.shard_group import ShardGroupBroken, launch_local
 from tests.conftest import PROMPTS, cluster_config, deploy
 from tests.http_client import complete, reassemble, stream_chunks
 
@@ -59,6 +63,41 @@ def test_each_shard_caches_its_own_heads(runners, zoo):
     assert torch.allclose(sharded_keys, whole_keys[:, :sharded_keys.shape[1]], atol=TOLERANCE)
     sharded.release("heads")
     assert "heads" not in sharded.caches
+
+
+def _follower_killed_while_idle(target: str) -> dict:
+    """A fresh 2-shard group (its own process: this one holds the module's), its follower
+    killed while rank 0 runs no command: what rank 0 then saw."""
+    told = []
+    sharded = launch_local(ModelSpec(path=target), max_cached_tokens=BUDGET, world=2, on_broken=told.append)
+    sharded.extend_batch([ExtendCall("alive", [1, 2, 3], 1)])
+    killed = time.monotonic()
+    os.kill(sharded.shards[1].pid, signal.SIGKILL)
+    while not told and time.monotonic() < killed + 10:
+        time.sleep(0.05)
+    seen_s = time.monotonic() - killed
+    try:
+        sharded.extend_batch([ExtendCall("alive", [1, 2, 3, 4], 1)])
+        next_command = "ran"
+    except ShardGroupBroken as exc:
+        next_command = f"ShardGroupBroken: {exc}"
+    return {"told": told, "broken": sharded.broken, "seen_s": seen_s, "next_command": next_command}
+
+
+def test_a_follower_gone_while_rank_0_is_idle_breaks_the_group_at_once(zoo):
+    """NCCL would wait for a dead peer until its timeout: rank 0 watches the followers'
+    processes rather than wait for a collective to fail (shard_group.PeerWatch). Killed while
+    no command runs, the group is marked broken within seconds, on_broken is told once, and
+    the next command fails with ShardGroupBroken without touching the group."""
+    script = ("import json, sys; from tests.test_tensor_parallel import _follower_killed_while_idle as f; "
+              "print(json.dumps(f(sys.argv[1])))")
+    done = subprocess.run([sys.executable, "-c", script, str(zoo.target)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(seen["told"]) == 1 and "rank 1" in seen["told"][0] and seen["broken"] == seen["told"][0]
+    assert seen["seen_s"] < 3
+    assert seen["next_command"].startswith("ShardGroupBroken") and "rank 1" in seen["next_command"]
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,28 @@ engine applies it itself, and an engine that brings its own (vLLM's rejection sa
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Protocol
 
 from replicas.protocol import Proposal, ProposeRequest, RowError, Verification, VerifyRequest
+
+
+BROKEN_EXIT_CODE = 70
 
 
 class EngineBroken(RuntimeError):
     """The engine cannot serve again in this process (a shard of its group is gone, its
     caches disagree): the deployment ends the replica so that Serve replaces it, and the
     router retries the call elsewhere."""
+
+
+def end_broken_replica(why: str) -> None:
+    """End this process: its engine cannot serve again. Serve replaces the replica whole
+    (placement group and shards) and the routers retry its calls on the replacement."""
+    logging.getLogger("ray.serve").error("the engine broke (%s); exiting so that the replica is replaced", why)
+    logging.shutdown()
+    os._exit(BROKEN_EXIT_CODE)
 
 
 class _Engine(Protocol):

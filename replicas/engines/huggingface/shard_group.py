@@ -12,6 +12,10 @@ A shard that dies breaks the group: the next collective fails at once (gloo repo
 closed connection) and rank 0 raises ShardGroupBroken; the replica then ends its process,
 so that Serve replaces it whole (placement group and shards), and the router retries the
 calls that were in flight on the new replica, which rebuilds caches from their token ids.
+NCCL does not notice a dead peer: its collectives wait for it until their timeout. So rank 0
+also watches the followers' processes (PeerWatch: the shards share a node, STRICT_PACK);
+when one is gone it aborts the NCCL communicators, which fails a collective waiting on it,
+marks the group broken, and under Serve ends the replica at once, idle or not.
 
 Followers are Ray actors in bundles 1..N-1 of the replica's placement group (STRICT_PACK keeps
 the bundles on one node), or, without Ray, local processes (tests, a GPU box without Ray).
@@ -25,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed as dist
 
-from replicas.engines.protocol import EngineBroken
+from replicas.engines.protocol import EngineBroken, end_broken_replica
 from replicas.engines.huggingface.kv_sizing import kv_cache_tokens
 from replicas.engines.huggingface.loading import pick_device
 from replicas.engines.huggingface.model_runner import ExtendCall, Extension, ModelRunner
@@ -46,6 +51,7 @@ logger = logging.getLogger("ray.serve")
 # out. A dead peer is still noticed at once (its connection closes).
 _COLLECTIVE_TIMEOUT = timedelta(days=7)
 _LOAD_TIMEOUT_S = 600.0
+_PEER_POLL_S = 0.5
 
 
 class ShardGroupBroken(EngineBroken):
@@ -108,13 +114,50 @@ class Shard:
             _count_failures(failed, self.channel)
 
 
-class ShardedRunner:
-    """Rank 0's side: a ModelRunner whose every command the followers run too."""
+class PeerWatch:
+    """A thread of rank 0 that polls the followers' processes (on its own node) every
+    _PEER_POLL_S and calls on_gone(why) once, when one is gone."""
 
-    def __init__(self, shard: Shard, infos: list[ShardInfo], stop_followers: Callable[[], None]):
+    def __init__(self, infos: list[ShardInfo], on_gone: Callable[[str], None]):
+        here = infos[0].node_id
+        self._peers = [info for info in infos[1:] if info.node_id == here]
+        self._on_gone = on_gone
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shard-peer-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_PEER_POLL_S):
+            gone = [info for info in self._peers if not _process_alive(info.pid)]
+            if gone:
+                self._on_gone(f"shard rank {gone[0].rank} (pid {gone[0].pid}) is gone")
+                return
+
+
+class ShardedRunner:
+    """Rank 0's side: a ModelRunner whose every command the followers run too.
+    on_broken(why): called once when the watch finds a follower gone (under Serve: end the
+    replica); in any case every later command raises ShardGroupBroken."""
+
+    def __init__(self, shard: Shard, infos: list[ShardInfo], stop_followers: Callable[[], None],
+                 on_broken: Callable[[str], None] | None = None):
         self.shard = shard
         self.shards = infos                      # every rank, rank 0 first
         self._stop_followers = stop_followers
+        self._on_broken = on_broken
+        self.broken: str | None = None
+        self._watch = PeerWatch(infos, self._peer_gone)
+
+    def _peer_gone(self, why: str) -> None:
+        self.broken = why
+        logger.error("tensor-parallel group broken: %s", why)
+        if self.shard.device.type == "cuda":
+            _abort_nccl()
+        if self._on_broken is not None:
+            self._on_broken(why)
 
     @property
     def caches(self):
@@ -146,6 +189,7 @@ class ShardedRunner:
         self._command("retire", seq_id)
 
     def close(self) -> None:
+        self._watch.stop()
         try:
             dist.broadcast_object_list([("stop", ())], src=0, group=self.shard.channel)
         finally:
@@ -153,6 +197,8 @@ class ShardedRunner:
             dist.destroy_process_group()
 
     def _command(self, name: str, *args):
+        if self.broken is not None:
+            raise ShardGroupBroken(self.broken)
         try:
             dist.broadcast_object_list([(name, args)], src=0, group=self.shard.channel)
         except Exception as exc:
@@ -177,6 +223,31 @@ def _count_failures(failed: bool, group) -> int:
     flag = torch.tensor([1 if failed else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=group)
     return int(flag.item())
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True          # no /proc (macOS): the signal said it exists
+
+
+def _abort_nccl() -> None:
+    """Abort every NCCL communicator, so a collective waiting on a dead peer fails now (torch's
+    API for it is marked experimental: where it fails, the replica still ends)."""
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+        _abort_process_group()
+    except Exception:  # noqa: BLE001 - best effort; on_broken ends the process anyway
+        logger.warning("could not abort the NCCL group", exc_info=True)
 
 
 def _shard_device(spec: ModelSpec, rank: int) -> torch.device:
@@ -228,7 +299,7 @@ def launch_in_placement_group(spec: ModelSpec, max_cached_tokens: int | str, max
     infos = [shard.info()] + ray.get(joins)
     for follower in followers:
         follower.follow.remote()
-    return ShardedRunner(shard, infos, lambda: [ray.kill(f) for f in followers])
+    return ShardedRunner(shard, infos, lambda: [ray.kill(f) for f in followers], on_broken=end_broken_replica)
 
 
 class _RayFollower:
@@ -253,8 +324,10 @@ class _RayFollower:
             os._exit(0)    # the group is over: so is this process
 
 
-def launch_local(spec: ModelSpec, max_cached_tokens: int, world: int, max_seq_len: int | None = None) -> ShardedRunner:
-    """Followers as local processes of this machine; this process is rank 0."""
+def launch_local(spec: ModelSpec, max_cached_tokens: int, world: int, max_seq_len: int | None = None,
+                 on_broken: Callable[[str], None] | None = None) -> ShardedRunner:
+    """Followers as local processes of this machine; this process is rank 0. on_broken: as
+    ShardedRunner's."""
     context = torch.multiprocessing.get_context("spawn")
     plan = ShardPlan(spec, max_cached_tokens, world, _rendezvous("127.0.0.1"), max_seq_len)
     ready = context.Queue()
@@ -269,7 +342,7 @@ def launch_local(spec: ModelSpec, max_cached_tokens: int, world: int, max_seq_le
             raise RuntimeError(f"a shard failed to load: {outcome}")
     shard.join()
     infos = [shard.info()] + [ShardInfo(rank, p.pid, None) for rank, p in zip(range(1, world), processes)]
-    return ShardedRunner(shard, infos, lambda: [p.join(timeout=10) for p in processes])
+    return ShardedRunner(shard, infos, lambda: [p.join(timeout=10) for p in processes], on_broken)
 
 
 def _follow_in_process(plan: ShardPlan, rank: int, ready) -> None:
