@@ -27,7 +27,8 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
     out = tmp_path / "bench.json"
     code = main(["bench", "--url", apps["perturbed"], "--app", "spec-perturbed", "--config", str(_config(tmp_path, zoo)),
                  "--concurrency", "1", "3", "--sampling", "greedy", "sampled", "--request-rate", "20",
-                 "--num-requests", "3", "--max-tokens", "12", "--prompt-tokens", "16", "--fixed-k", "2",
+                 "--num-requests", "3", "--requests-per-client", "2", "--max-tokens", "12", "--prompt-tokens", "16",
+                 "--fixed-k", "2",
                  "--repeats", "2", "--hf-prompts", "1", "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
@@ -115,7 +116,8 @@ def test_the_repeated_workload_sends_the_same_prompts_to_every_mode(apps, zoo, t
     out = tmp_path / "bench.json"
     code = main(["bench", "--url", apps["perturbed"], "--app", "spec-perturbed", "--config", str(_config(tmp_path, zoo)),
                  "--workload", "repeated", "--sampling", "greedy", "--concurrency", "2", "--modes", "suffix",
-                 "--num-requests", "2", "--max-tokens", "8", "--prompt-tokens", "16", "--out", str(out)])
+                 "--num-requests", "2", "--requests-per-client", "2", "--max-tokens", "8", "--prompt-tokens", "16",
+                 "--out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     [run] = report["closed_loop"]

@@ -99,7 +99,8 @@ def test_a_submitted_job_deploys_specserve_and_leaves_it_serving(head, job_confi
 
 def test_a_bench_job_measures_the_endpoint_and_prints_its_result(head, job_config):
     result = submit(head, "--config", str(job_config), "--bench", "--url", endpoint(job_config),
-                    "--concurrency", "1", "--num-requests", "2", "--max-tokens", "8", "--prompt-tokens", "16",
+                    "--concurrency", "1", "--num-requests", "2", "--requests-per-client", "2", "--max-tokens", "8",
+                    "--prompt-tokens", "16",
                     "--hf-prompts", "0")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [line] = [line for line in result.stdout.splitlines() if line.startswith("BENCH SUMMARY ")]

@@ -27,8 +27,10 @@ method, k the server's choice), and per k of --fixed-k one mode per method with 
 `vllm_target` (the same cluster with its target on vLLM, the draft pool's method, k the
 server's choice); with --vllm-serve `vllm_serve` and `vllm_serve_alone` (vLLM's own OpenAI
 server on the same pair, speculating with k = speculation.k and alone:
-cluster/bench/vllm_server.py). Every closed-loop phase runs max(--num-requests, 2 x concurrency)
-requests a mode; with --repeats N each mode runs N times, in turn with the others, and the
+cluster/bench/vllm_server.py). Every closed-loop phase runs max(--num-requests,
+--requests-per-client (8) x concurrency) requests a mode (its throughput is the phase's tokens over its wall time, and in the last
+requests fewer clients than the phase's are left: with 8 requests a client that ramp-down is
+a small part of the run); with --repeats N each mode runs N times, in turn with the others, and the
 report gives each mode's mean, its speedup over target_only in the same phase, and the phase's
 noise: the largest spread between repeats of one mode, relative to its mean. After each run of
 a speculating mode the report keeps what the router's adaptive control says (where the bench
@@ -57,6 +59,11 @@ WORKLOADS = ("fresh", "repeated")
 SAMPLING = ("greedy", "sampled")     # cluster/bench/load.py's SAMPLING: their request fields
 METHODS = ("draft_model", "ngram", "suffix", "hybrid")   # the order of the method modes
 _POOL_METHODS = ("draft_model", "hybrid")                # those that need a draft model
+# Closed-loop requests a client, at least: a phase's last requests run with fewer clients than
+# it names, and speculation spreads requests' speeds, so that ramp-down costs it more than the
+# target alone (at 32 clients, measured 2026-12-05: the default 0.91-0.94x the target alone
+# with 2 requests a client, 1.02x with 8; docs/BENCHMARKS.md).
+REQUESTS_PER_CLIENT = 8
 
 
 def add_parser(commands) -> None:
@@ -78,6 +85,9 @@ def add_parser(commands) -> None:
     bench.add_argument("--request-rate", type=float, nargs="*", default=[], help="open-loop arrival rates, requests/s")
     bench.add_argument("--num-requests", type=int, default=16,
                        help="requests per mode and phase (default: %(default)s)")
+    bench.add_argument("--requests-per-client", type=int, default=REQUESTS_PER_CLIENT,
+                       help="a closed-loop phase runs at least this many requests per client, so that its "
+                            "ramp-down is a small part of it (default: %(default)s)")
     bench.add_argument("--max-tokens", type=int, default=96, help="tokens per request, exactly (ignore_eos) "
                                                                   "(default: %(default)s)")
     bench.add_argument("--json-schema", type=Path, help="a JSON schema file: every request's output follows it "
@@ -173,7 +183,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
     # first calls load lazily: the server's default method and the draft pool, and vLLM's servers
     warm = [name for name in ("default", "draft_model") if name in modes] + vllm_modes or ["target_only"]
-    closed_requests = {c: max(args.num_requests, 2 * c) for c in args.concurrency}
+    closed_requests = {c: max(args.num_requests, args.requests_per_client * c) for c in args.concurrency}
     planned = (2 * len(warm) + sum(c * (1 + len(vllm_modes)) for c in args.concurrency)
                + len(args.sampling) * args.repeats * len(modes)
                * (sum(closed_requests.values()) + args.num_requests * len(args.request_rate)))
@@ -364,6 +374,8 @@ def _phase(head: dict, modes: dict, requests: int, load, repeats: int, app: str 
     for name, seen in states.items():
         summaries[name]["settling_after_each_run"] = [state["settling"] for state in seen]
         summaries[name]["k_by_method_after_each_run"] = [state["k_by_method"] for state in seen]
+        summaries[name]["draft_margin_after_each_run"] = [state["draft_margin"] for state in seen]
+        summaries[name]["controller_after_last_run"] = {key: seen[-1][key] for key in ("plan", "costs", "keep_chances")}
     alone = summaries["target_only"]["output_tokens_per_s"]
     speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
     noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
@@ -392,21 +404,25 @@ def _against_vllm(summaries: dict) -> dict:
 
 def _router_state(app: str | None) -> dict:
     """What a router's adaptive control says now (its describe()'s `adaptive`): `settling`, the
-    rounds it took to settle after load changes, and `k_by_method`; each "not available" where
+    rounds it took to settle after load changes, `k_by_method`, its draft margin, last plan,
+    cost model and keep chances; each "not available" where
     the router has no such key, or why the bench could not ask."""
     import ray
 
     if app is None or not ray.is_initialized():
-        return dict.fromkeys(("settling", "k_by_method"), "not reachable from here")
+        return dict.fromkeys(_ROUTER_KEYS, "not reachable from here")
     from ray import serve
 
     try:
         state = serve.get_deployment_handle("router", app_name=app).describe.remote().result(timeout_s=10)
     except Exception as exc:  # noqa: BLE001 - the report says why it has no state
-        return dict.fromkeys(("settling", "k_by_method"), f"no answer from the router: {type(exc).__name__}")
+        return dict.fromkeys(_ROUTER_KEYS, f"no answer from the router: {type(exc).__name__}")
     adaptive = state.get("adaptive") if isinstance(state, dict) else None
     adaptive = adaptive if isinstance(adaptive, dict) else {}
-    return {key: adaptive.get(key, "not available") for key in ("settling", "k_by_method")}
+    return {key: adaptive.get(key, "not available") for key in _ROUTER_KEYS}
+
+
+_ROUTER_KEYS = ("settling", "k_by_method", "draft_margin", "plan", "costs", "keep_chances")
 
 
 def _mean_of(results: list[dict]) -> dict:
