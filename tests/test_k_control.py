@@ -8,11 +8,12 @@ hardware) and within how many rounds."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
 
-from router.k_control import POOL, GoodputController, Offer
+from router.k_control import MAX_MARGIN, POOL, GoodputController, Offer
 from tests.simulated_cluster import (SimSequence, Simulation, best_uniform, compute_bound, expected_goodput,
                                      memory_bound)
 
@@ -185,3 +186,29 @@ def test_a_batch_is_counted_once_however_many_rows_report_it():
     for _ in range(5):
         control.observe_passes("target", "batch-1", [(8, 8, 0.5, 10.0)])
     assert control.costs.target.passes == 1
+
+
+def _marginal_lookup_choice(round_error: float, keep: float) -> int:
+    """The k one sequence gets for a lookup offer on a one-row compute-bound target (1 ms a
+    pass and 1 ms a position: a draft pays where its keep chance beats about 0.5 tokens a
+    ms), its keep chance measured on 400 rounds, with the controller's rounds measured
+    exp(round_error) times as long as it predicted them."""
+    control = GoodputController(max_k=4, explore_every=0)
+    for batch in range(50):
+        control.observe_passes("target", f"b{batch}", [(1, n, 0.0, 1.0 + n) for n in (1, 2, 3, 5)])
+    control.begin("s", sampled=True)
+    for r in range(400):
+        control.observe_round("s", "suffix", 1, int((r * keep) % 1 + keep >= 1), match=4)
+    for _ in range(100):
+        control.observe_timing(False, 2.0 * math.exp(round_error), 2.0 * math.exp(round_error), 2.0)
+    assert control.margin() == pytest.approx(min(round_error, MAX_MARGIN), abs=1e-6)
+    return control.choose("s", Offer((5, 6, 7, 8), "suffix", 4), 10, 50).k
+
+
+def test_drafts_that_pay_by_less_than_the_controllers_own_error_are_not_made():
+    """Predicted to gain about a quarter, drafts are made when the controller predicts its
+    rounds exactly and not when it is off by 30 % (verifying no drafts is the target alone's
+    round and needs no prediction to be right); drafts that pay by far more are made either way."""
+    assert _marginal_lookup_choice(0.0, keep=0.7) == 4
+    assert _marginal_lookup_choice(0.3, keep=0.7) == 0
+    assert _marginal_lookup_choice(0.3, keep=0.9) == 4
