@@ -56,18 +56,6 @@ def greedy_round(choices: list[int], drafts: list[int]) -> RoundOutcome:
     return RoundOutcome(accepted, drafts[:accepted] + [choices[accepted]])
 
 
-def sampled_rounds(
-    target_logits: list[torch.Tensor],
-    drafts: list[list[int]],
-    draft_probs: list[torch.Tensor | None],
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> list[RoundOutcome | NonFiniteDistribution]:
-    """The rule for B sequences at once (sampled_decisions), read to the host."""
-    return sampled_outcomes(sampled_decisions(target_logits, drafts, draft_probs, params, generators).tolist(),
-                            drafts)
-
-
 def sampled_outcomes(decisions: list[list[int]], drafts: list[list[int]]) -> list[RoundOutcome | NonFiniteDistribution]:
     """sampled_decisions' [3, B] values, read, as each row's outcome."""
     counts, tokens, failed = decisions
