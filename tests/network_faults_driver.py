@@ -76,6 +76,23 @@ RECOVERY_PHASES = {"restored": SPECULATION_BACK_WITHIN_S, "healed": SPECULATION_
                    "rejoined": REJOIN_WITHIN_S}
 
 
+def wait_until_every_pool_answers(timeout_s: float = 120.0) -> None:
+    """As `specserve up` does before it says it is up: until the router's /ready says the
+    draft pool answers too. (Replicas healthy is not enough: a request sent before the router
+    has seen the draft pool answer is served by the target alone, and the clean phase would
+    measure that; it did once in CI.)"""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(f"http://127.0.0.1:{PORT}/faults/ready", timeout=5)
+            if response.status_code == 200 and response.json().get("pools", {}).get("draft"):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the router did not see every pool answer within {timeout_s:.0f} s")
+
+
 def draft_node_alive() -> bool:
     return any(node["Alive"] for node in ray.nodes() if "small_gpu" in node["Resources"])
 
@@ -106,6 +123,7 @@ def main(target: str, draft: str) -> None:
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PORT},
                 controller_options=controller_options(ServerConfig()))
     serve.run(build_app(parse_config(config(target, draft), base=Path.cwd())), name="faults", route_prefix="/faults")
+    wait_until_every_pool_answers()
     print(json.dumps({"placement": placement()}), flush=True)
     for line in sys.stdin:
         if line.strip() == "stop":
