@@ -7,9 +7,11 @@ Terms (a router's sequences verify together: the target pool batches their calls
 - offer: what a sequence could verify this round: its lookup drafts (and the length of the
   match they came from) and whether the draft pool may draft for it.
 - E_i(k): sequence i's expected tokens from a window of k drafts (router/goodput.py: its own
-  keep chances, with its source's pooled chances as prior). Greedy and sampled sequences
-  pool apart: a sampled draft is kept with the target's probability of it, a greedy one
-  whenever it is the target's top token, so on the same text they keep at different rates
+  keep chances, with its source's pooled chances as prior), each draft's part of its gain
+  E_i(k) - 1 scaled by the share of what that position was expected to keep that its
+  source's chosen rounds kept (GainCalibration). Greedy and sampled sequences pool apart:
+  a sampled draft is kept with the target's probability of it, a greedy one whenever it
+  is the target's top token, so on the same text they keep at different rates
   (the bench's suffix drafts, 2026-12-04: 56 % greedy, 14-24 % sampled); pooled together,
   a sampled sequence would start from the greedy rounds' chances and draft until its own
   rounds said otherwise.
@@ -51,7 +53,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from router.cost_model import PassShape, RoundCosts
-from router.goodput import KeepChances, SequenceKeep, expected_curve
+from router.goodput import GainCalibration, KeepChances, SequenceKeep, expected_curve
 
 POOL = "pool"
 LOOKUP_SOURCES = ("ngram", "suffix")
@@ -67,6 +69,10 @@ _DINKELBACH_STEPS = 8
 _RECENT_ROUNDS = 256            # the k distribution describe() shows
 _OVERLAP_MARGIN = 0.02
 MAX_MARGIN = 0.5
+# Rounds a source's pooled first chance must have seen before its chosen rounds calibrate its
+# gains: until then the chances are the prior's, and what a start's first rounds expected
+# says nothing of how the choice overstates them later.
+CALIBRATION_EVIDENCE = 10
 
 
 @dataclass(frozen=True)
@@ -110,14 +116,16 @@ class _Sequence:
     sampled: bool = False          # its keep chances pool with the other sampled sequences'
     context: int = 0
     offer: Offer = Offer()            # its last round's: what the next plan prices it with
+    chosen: tuple[str, int, tuple[float, ...]] | None = None   # this round's source, k, P(draft j kept)
 
 
 @dataclass
 class _Option:
     source: str | None
     k: int
-    gain: float            # tokens beyond the window's one: E(k) - 1
+    gain: float            # tokens beyond the window's one: E(k) - 1, calibrated
     cost: float            # ms the k drafts add to the round
+    expected: tuple[float, ...] = ()   # P(draft j kept), j = 1..k, as the keep chances say
 
 
 class GoodputController:
@@ -128,6 +136,7 @@ class GoodputController:
         self.explore_every = explore_every
         self.costs = RoundCosts()
         self._pooled: dict[tuple[str, bool, int], KeepChances] = {}   # (source, sampled, match bucket)
+        self._calibration: dict[tuple[str, bool], GainCalibration] = {}   # (source, sampled)
         self._sequences: dict[str, _Sequence] = {}
         self._plan: Plan | None = None
         self._rounds_since_plan = 0
@@ -174,7 +183,8 @@ class GoodputController:
         keep = seq.keep[source]
         best = max((keep.first_chance(pooled.optimistic()[0]) for (each, sampled, _), pooled in self._pooled.items()
                     if each == source and sampled == seq.sampled), default=keep.first_chance(1.0))
-        return best > self._draft_price(plan) * self._draft_ms(context, source == POOL)
+        first = best * self._kept_shares(source, seq.sampled)[0]
+        return first > self._draft_price(plan) * self._draft_ms(context, source == POOL)
 
     def choose(self, seq_id: str, offer: Offer, context: int, cap: int, method: str = "") -> Choice:
         """This round's drafts for seq_id: source, k (within `cap`, the drafts the request's
@@ -190,6 +200,8 @@ class GoodputController:
         if best.k < self.min_k or (explores and best.k == 0):
             best = self._forced(seq, offer, cap, max(self.min_k, _EXPLORE_K)) or best
         steps = max(1, min(plan.steps, cap + 1 - best.k))
+        calibrates = best.k and self._calibrates(seq, best.source, offer)
+        seq.chosen = (best.source, best.k, best.expected) if calibrates else None
         self._recent.append((method, best.k))
         return Choice(best.source, best.k, steps, plan.predicted_ms)
 
@@ -235,7 +247,13 @@ class GoodputController:
             return []
         curve = self._curve(seq, source, match, limit)
         per_draft = self._draft_ms(seq.context, source == POOL)
-        return [_Option(source, k, curve[k] - 1.0, k * per_draft) for k in range(1, limit + 1)]
+        kept = [curve[j] - curve[j - 1] for j in range(1, limit + 1)]      # P(draft j kept)
+        shares = self._kept_shares(source, seq.sampled)
+        options, gain = [], 0.0
+        for k in range(1, limit + 1):
+            gain += kept[k - 1] * shares[k - 1]
+            options.append(_Option(source, k, gain, k * per_draft, tuple(kept[:k])))
+        return options
 
     def _curve(self, seq: _Sequence, source: str, match: int, limit: int) -> list[float]:
         prior = self._pooled_chances(source, match, seq.sampled).optimistic()[:limit]
@@ -330,10 +348,14 @@ class GoodputController:
         """A round of seq_id verified `drafted` drafts from `source` and kept `accepted`."""
         self._rounds_since_plan += 1
         seq = self._sequences.get(seq_id)
+        if seq is not None and seq.chosen is not None and seq.chosen[:2] == (source, drafted):
+            self._calibration.setdefault((source, seq.sampled), GainCalibration(self.max_k)).observe(
+                list(seq.chosen[2]), accepted)
         if drafted and source is not None:
             self._pooled_chances(source, match, seq is not None and seq.sampled).observe(drafted, accepted)
         if seq is None:
             return
+        seq.chosen = None
         for each, keep in seq.keep.items():
             keep.observe(drafted if each == source else 0, accepted)
 
@@ -352,6 +374,17 @@ class GoodputController:
         """A replica's start-up passes (replicas/deployments.py), once per pool."""
         model = self.costs.target if pool == "target" else self.costs.draft
         model.anchor_on([(PassShape(rows, positions, attention), ms) for rows, positions, attention, ms in passes])
+
+    def _calibrates(self, seq: _Sequence, source: str, offer: Offer) -> bool:
+        """Whether a round's expectation is the chances' own and not yet the prior's."""
+        match = offer.match if source == offer.lookup_source else 0
+        return self._pooled_chances(source, match, seq.sampled).looked[1] >= CALIBRATION_EVIDENCE
+
+    def _kept_shares(self, source: str, sampled: bool) -> list[float]:
+        """Per draft position, of the drafts from `source` the controller's chosen rounds
+        expected to keep, the share they kept (router/goodput.py, GainCalibration)."""
+        calibration = self._calibration.get((source, sampled))
+        return [1.0] * self.max_k if calibration is None else calibration.shares()
 
     def _pooled_chances(self, source: str, match: int, sampled: bool) -> KeepChances:
         bucket = 0 if source == POOL else min(max(match, 1), _MATCH_BUCKETS)
@@ -378,6 +411,8 @@ class GoodputController:
                 "tokens_per_s": round(plan.rate * 1000, 1), "steps": plan.steps, "draft_call": plan.draft_call,
                 "rows": plan.rows, "mean_k": round(plan.mean_k, 2), "predicted_round_ms": round(plan.predicted_ms, 2)},
             "draft_margin": round(self.margin(), 3),
+            "kept_share": {source + ("/sampled" if sampled else ""): [round(share, 3) for share in calibration.shares()]
+                           for (source, sampled), calibration in sorted(self._calibration.items())},
             "k_by_method": {method: dict(sorted(counts.items())) for method, counts in sorted(by_method.items())},
             "keep_chances": {f"{source}" + ("/sampled" if sampled else "") + (f"/match{bucket}" if source != POOL else ""):
                              [round(h, 3) for h in keep.chances()]

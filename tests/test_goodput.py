@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.goodput import KeepChances, SequenceKeep, expected_curve, expected_tokens
+from router.goodput import GainCalibration, KeepChances, SequenceKeep, expected_curve, expected_tokens
 
 
 def test_keep_chances_are_conditional_on_the_drafts_before():
@@ -56,3 +56,26 @@ def test_expected_curve_is_e_of_every_k():
     chances = [0.5, 0.5, 1.0]
     assert expected_curve(chances) == [1.0, 1.5, 1.75, 2.0]
     assert [expected_tokens(chances, k) for k in range(4)] == expected_curve(chances)
+
+
+def test_gain_calibration_measures_what_chosen_rounds_kept_against_what_they_expected():
+    calibration = GainCalibration(max_k=4)
+    # Chosen rounds of k = 2 expecting P(draft 1 kept) 0.8 and P(draft 2 kept) 0.6, which kept
+    # half of that: draft 1 in 4 rounds of 10, draft 2 in 3.
+    for round_ in range(400):
+        calibration.observe([0.8, 0.6], accepted=2 if round_ % 10 < 3 else 1 if round_ % 10 < 4 else 0)
+    shares = calibration.shares()
+    assert shares[0] == pytest.approx(0.4 / 0.8, abs=0.03)
+    assert shares[1] == pytest.approx(min(0.3 / 0.6, shares[0]), abs=0.03)
+    assert shares[2] == shares[3] == shares[1]      # never drafted: no better than the position before
+
+
+def test_a_position_no_round_drafts_any_more_fades_back_to_a_share_of_one():
+    calibration = GainCalibration(max_k=4)
+    for _ in range(200):
+        calibration.observe([0.9, 0.9, 0.9, 0.9], accepted=0)
+    assert max(calibration.shares()) < 0.1
+    for _ in range(300):                    # drafting one a round now, and every one kept
+        calibration.observe([0.5], accepted=1)
+    assert calibration.shares()[0] == 1.0
+    assert calibration.shares()[3] > 0.9

@@ -375,7 +375,7 @@ def _phase(head: dict, modes: dict, requests: int, load, repeats: int, app: str 
         summaries[name]["settling_after_each_run"] = [state["settling"] for state in seen]
         summaries[name]["k_by_method_after_each_run"] = [state["k_by_method"] for state in seen]
         summaries[name]["draft_margin_after_each_run"] = [state["draft_margin"] for state in seen]
-        summaries[name]["controller_after_last_run"] = {key: seen[-1][key] for key in ("plan", "costs", "keep_chances")}
+        summaries[name]["controller_after_last_run"] = {key: seen[-1][key] for key in ("plan", "costs", "keep_chances", "kept_share")}
     alone = summaries["target_only"]["output_tokens_per_s"]
     speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
     noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
@@ -422,7 +422,7 @@ def _router_state(app: str | None) -> dict:
     return {key: adaptive.get(key, "not available") for key in _ROUTER_KEYS}
 
 
-_ROUTER_KEYS = ("settling", "k_by_method", "draft_margin", "plan", "costs", "keep_chances")
+_ROUTER_KEYS = ("settling", "k_by_method", "draft_margin", "kept_share", "plan", "costs", "keep_chances")
 
 
 def _mean_of(results: list[dict]) -> dict:
