@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from cluster.cli import main
@@ -52,6 +53,8 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
         assert set(run["speedups"]) == set(modes) and run["speedups"]["target_only"] == 1.0
         assert all(ratio > 0 for ratio in run["speedups"].values()) and run["noise"] >= 0
         assert run["speedup_vs_target_only"] == run["speedups"]["default"] > 0
+        assert set(run["speedup_intervals"]) == set(modes) - {"target_only"}
+        assert all(0 <= low <= high for low, high in run["speedup_intervals"].values())   # 2 repeats: wide
         if isinstance(report["ideal"], dict):      # the draft_model mode's speedup over the ideal's
             assert run["efficiency_vs_ideal"] > 0
         else:
@@ -95,7 +98,7 @@ def test_bench_reports_speculation_against_its_baselines(apps, zoo, tmp_path, ca
         assert ideal["phase"] == "1 greedy" and ideal["mean_k"] > 0
     assert report["hf_assisted"]["identical_outputs"] is True
     assert set(report["summary"]) == {"speedup_vs_target_only", "efficiency_vs_ideal", "speedups_by_mode", "noise",
-                                      "hf_assisted_speedup"}
+                                      "speedup_intervals", "hf_assisted_speedup"}
     phases = {f"{c} {s}" for c in (1, 3, "20.0/s") for s in ("greedy", "sampled")}
     assert set(report["summary"]["speedup_vs_target_only"]) == phases
     assert report["vllm"].startswith("skipped")
@@ -138,3 +141,14 @@ def test_a_vllm_run_that_fails_is_reported_not_raised(zoo):
     result = compare(sys.executable, zoo.target, zoo.drafts["perturbed"], [[1, 2, 3]], 4, 2, [1])
     assert isinstance(result, str) and result.startswith("failed: vLLM target_only run gave no report")
     assert "vllm" in result
+
+
+def test_a_paired_interval_holds_the_speedup_and_narrows_where_the_pairs_agree():
+    from cluster.bench.run import _paired_interval
+    # the machine drifts by 40 % across repeats, the mode runs 0.9x its pair in each
+    alone = [1000.0, 700.0, 850.0]
+    steady = _paired_interval([0.9 * a for a in alone], alone)
+    assert steady[0] == pytest.approx(0.9, abs=1e-6) and steady[1] == pytest.approx(0.9, abs=1e-6)
+    spread = _paired_interval([950.0, 600.0, 800.0], alone)
+    assert spread[0] < 0.9 < spread[1] and spread[1] - spread[0] > 0.05
+    assert _paired_interval([900.0], [1000.0]) is None

@@ -31,8 +31,9 @@ cluster/bench/vllm_server.py). Every closed-loop phase runs max(--num-requests,
 --requests-per-client (8) x concurrency) requests a mode (its throughput is the phase's tokens over its wall time, and in the last
 requests fewer clients than the phase's are left: with 8 requests a client that ramp-down is
 a small part of the run); with --repeats N each mode runs N times, in turn with the others, and the
-report gives each mode's mean, its speedup over target_only in the same phase, and the phase's
-noise: the largest spread between repeats of one mode, relative to its mean. After each run of
+report gives each mode's mean, its speedup over target_only in the same phase, a 95 % interval
+of that speedup from the repeats (each paired with the target alone's run of the same repeat),
+and the phase's noise: the largest spread between repeats of one mode, relative to its mean. After each run of
 a speculating mode the report keeps what the router's adaptive control says (where the bench
 reaches it): the rounds it took to settle after load changes and k by method. Without --url it
 starts the cluster of --config itself.
@@ -43,8 +44,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -238,6 +241,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         "efficiency_vs_ideal": {key: e["efficiency_vs_ideal"] for key, e in phases.items()},
         "speedups_by_mode": {key: e["speedups"] for key, e in phases.items()},
         "noise": {key: e["noise"] for key, e in phases.items()},
+        "speedup_intervals": {key: e["speedup_intervals"] for key, e in phases.items()},
         "hf_assisted_speedup": report["hf_assisted"].get("speedup") if isinstance(report["hf_assisted"], dict) else None,
     }
     if vllm_urls:
@@ -379,8 +383,11 @@ def _phase(head: dict, modes: dict, requests: int, load, repeats: int, app: str 
     alone = summaries["target_only"]["output_tokens_per_s"]
     speedups = {name: round(s["output_tokens_per_s"] / alone, 3) if alone else 0.0 for name, s in summaries.items()}
     noise = max((_spread([r["output_tokens_per_s"] for r in results]) for results in runs.values()), default=0.0)
-    entry = {**head, **summaries, "modes": names, "speedups": speedups, "noise": round(noise, 3),
-             "speedup_vs_target_only": speedups.get("default")}
+    intervals = {name: _paired_interval([r["output_tokens_per_s"] for r in results],
+                                        [r["output_tokens_per_s"] for r in runs["target_only"]])
+                 for name, results in runs.items() if name != "target_only"}
+    entry = {**head, **summaries, "modes": names, "speedups": speedups, "speedup_intervals": intervals,
+             "noise": round(noise, 3), "speedup_vs_target_only": speedups.get("default")}
     if "vllm_serve" in summaries:
         entry["vs_vllm_serve"] = _against_vllm(summaries)
     return entry
@@ -429,6 +436,27 @@ def _mean_of(results: list[dict]) -> dict:
     """The first run's summary, with the mean throughput over all runs and each run's."""
     rates = [r["output_tokens_per_s"] for r in results]
     return {**results[0], "output_tokens_per_s": round(sum(rates) / len(rates), 2), "output_tokens_per_s_runs": rates}
+
+
+# Student's t at 95 % (two-sided) by degrees of freedom; more repeats than the table: 2.0
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def _paired_interval(mode: list[float], alone: list[float]) -> list[float] | None:
+    """A 95 % interval of the mode's speedup from its repeats, each paired with the target
+    alone's run of the same repeat (the modes of a repeat run one after another, so the
+    machine's drift between the two is less than across the phase): exp(mean +- t sd /
+    sqrt(n)) of the log ratios. Where it lies wholly below a bar, the miss is not the noise."""
+    logs = [math.log(m / a) for m, a in zip(mode, alone) if m > 0 and a > 0]
+    if len(logs) < 2:
+        return None
+    mean = statistics.fmean(logs)
+    half = _T95.get(len(logs) - 1, 2.0) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
+
+
+def _shown(interval: list[float] | None) -> str:
+    return f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
 
 
 def _spread(values: list[float]) -> float:
@@ -492,7 +520,8 @@ def _print(report: dict) -> None:
     print(f"{report['workload']} prompts: {sent['sent']} sent, {sent['distinct']} distinct")
     for entry in phases:
         order = ["default"] + [mode for mode in entry["modes"] if mode not in ("target_only", "default")]
-        ratios = ", ".join(f"{mode} {entry['speedups'][mode]:.3f}" for mode in order if mode in entry["speedups"])
+        ratios = ", ".join(f"{mode} {entry['speedups'][mode]:.3f}" + _shown(entry["speedup_intervals"].get(mode))
+                           for mode in order if mode in entry["speedups"])
         print(f"C={entry['concurrency']} {entry['sampling']}: {ratios} (noise {entry['noise']:.3f})")
         if "vs_vllm_serve" in entry:
             print("  against vLLM's OpenAI server: " + ", ".join(f"{name} {ratio:.3f}"
