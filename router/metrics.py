@@ -13,8 +13,10 @@ served a round), ttft_seconds, inter_token_seconds, router_requests{state: runni
 queued}, and the goodput controller's view (router/k_control.py): adaptive_k_share{method, k}
 (the share of the method's recent rounds that chose k), adaptive_goodput_tokens_per_s (the
 current plan's predicted tokens per second of the batch), adaptive_steps (its steps per verify
-call), adaptive_round_ms{kind: predicted | measured} and adaptive_model_error{model:
-target_pass | draft_pass | round} (mean |log(measured / predicted)|).
+call), adaptive_round_ms{kind: predicted | measured}, adaptive_model_error{model:
+target_pass | draft_pass | round} (mean |log(measured / predicted)|) and
+adaptive_kept_share{source} (of the first drafts the controller's chosen rounds were expected
+to keep, the share kept: its gain calibration).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class RouterMetrics:
                                        "it and as measured (averages)", tag_keys=("kind",))
         self.adaptive_error = Gauge("specserve_adaptive_model_error", "Mean |log(measured / predicted)| of the "
                                     "controller's cost models", tag_keys=("model",))
+        self.adaptive_kept_share = Gauge("specserve_adaptive_kept_share", "Of the first drafts the controller's "
+                                         "chosen rounds expected to keep, the share kept", tag_keys=("source",))
         self.totals = Totals()
 
     def round(self, outcome, rebuilt: dict[str, bool]) -> None:
@@ -128,6 +132,8 @@ class RouterMetrics:
         for model, error in errors.items():
             if error is not None:
                 self.adaptive_error.set(error, tags={"model": model})
+        for source, shares in state["kept_share"].items():
+            self.adaptive_kept_share.set(shares[0], tags={"source": source})
 
 
 def _add(counter: Counter, amount: int) -> None:
