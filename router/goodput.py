@@ -17,11 +17,12 @@ Terms:
   one that stopped drifts back to the pooled chances as its own evidence fades, so it is
   tried again now and then.
 - gain calibration (GainCalibration): of the drafts the controller chose, how many the target
-  kept against how many the chances said it would, per source and draft position. The chances a choice is made
-  with are raised (optimism) and chosen where they look best, so they overstate what the
-  chosen drafts keep (the winner's curse): measured 2026-12-05, sampled suffix drafts chosen
-  at an estimated 0.42-0.5 kept 0.35, and the batch paid for drafts that bought less than
-  their time. The controller scales its expected gains by the measured share.
+  kept against how many the chances said it would, per source and draft position. The
+  chances a choice is made with are raised (optimism) and chosen where they look best, so
+  they overstate what the chosen drafts keep (the winner's curse): on a running default
+  cluster (2026-12-06) sampled suffix rounds kept 63 % of what their chances expected at 16
+  clients, 84 % at one, and the batch paid for drafts that bought less than their time. The
+  controller scales each position's expected gain by its measured share.
 """
 
 from __future__ import annotations
