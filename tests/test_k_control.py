@@ -212,3 +212,20 @@ def test_drafts_that_pay_by_less_than_the_controllers_own_error_are_not_made():
     assert _marginal_lookup_choice(0.0, keep=0.7) == 4
     assert _marginal_lookup_choice(0.3, keep=0.7) == 0
     assert _marginal_lookup_choice(0.3, keep=0.9) == 4
+
+
+def test_drafts_whose_chosen_rounds_keep_less_than_expected_are_priced_by_what_they_kept():
+    # compute-bound, one sequence keeping 0.9: the controller drafts several. Then its chosen
+    # pool rounds are found to have kept a fifth of what their chances expected (its gain
+    # calibration, fed directly; the chances themselves unchanged): each draft now buys a
+    # fifth of the tokens it did, and k falls.
+    sim = simulation(compute_bound(), 1, 0.9, seed=5)
+    sim.run(SETTLE)
+    before = statistics.mean(sim.ks("s0", 10))
+    calibration = sim.controller._calibration[(POOL, False)]
+    for _ in range(300):
+        calibration.observe([0.9] * 8, accepted=0 if _ % 5 else 8)
+    assert sim.controller.describe()["kept_share"]["pool"][0] < 0.35     # 0.2 / 0.9, and the fade towards 1
+    offer = Offer(pool=True)
+    after = sim.controller.choose("s0", offer, 100, 1000).k
+    assert before >= 4 and after <= before - 2, (before, after)
