@@ -33,7 +33,13 @@ def _at_most(field: str, cap: str):
 
 
 class ModelSpec(Strict):
-    path: Path = Field(strict=False, description="Local Hugging Face-format model folder (relative to cluster.yaml).")
+    path: Path = Field(strict=False, description="Local Hugging Face-format model folder (relative to cluster.yaml), "
+                                                 "or, for a pool with engine: llamacpp, a GGUF file.")
+    tokenizer: Path | None = Field(
+        None, strict=False, description="The Hugging Face folder whose tokenizer, config.json and "
+                                        "generation_config.json the router uses for this model (relative to "
+                                        "cluster.yaml). Needed where path names a GGUF file, whose vocabulary the "
+                                        "replica checks against this tokenizer's at start; default: path.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and activations dtype on the replica. 'auto': the checkpoint's own "
         "(config.json) where the device computes it natively (a GPU; a CPU with oneDNN's bfloat16 kernels for "
@@ -59,6 +65,22 @@ class ModelSpec(Strict):
     placeholder: Literal["target", "draft"] | None = Field(
         None, description="If the folder is missing, build an UNTRAINED random placeholder model of "
                           "this role there (for a first start before real weights exist).")
+
+    @property
+    def folder(self) -> Path:
+        """The Hugging Face folder of the model's tokenizer and config."""
+        return self.tokenizer if self.tokenizer is not None else self.path
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix.lower() == ".gguf"
+
+    @model_validator(mode="after")
+    def gguf_names_its_tokenizer(self):
+        if self.is_gguf and self.tokenizer is None:
+            raise ValueError(f"path {self.path} is a GGUF file: give tokenizer, the Hugging Face folder whose "
+                             "tokenizer the router uses for it (its vocabulary must agree with the file's)")
+        return self
 
 
 class ModelsConfig(Strict):
@@ -174,10 +196,27 @@ class TargetBatchingConfig(BatchingConfig):
     wait_for_active: bool = Field(True, description=BatchingConfig.model_fields["wait_for_active"].description)
 
 
+class LlamaCppOptions(Strict):
+    kv_type: Literal["f16", "f32", "q8_0"] = Field(
+        "f16", description="The element type of llama.cpp's KV cache (its --cache-type-k and -v).")
+    threads: int | None = Field(
+        None, ge=1, description="llama.cpp's threads per replica; unset: the pool's num_cpus, rounded up.")
+    gpu_layers: int = Field(-1, description="Layers offloaded to the GPU where llama.cpp was built with one "
+                                            "(CMAKE_ARGS, README); -1: all. A CPU build ignores it.")
+    repack: bool = Field(
+        False, description="llama.cpp's repacked weight layouts on CPUs (its extra buffer types: AMX, AVX-512 and "
+                           "ARM kernels; llama-server's default, off there with --no-repack). Off by default: on an "
+                           "Intel Xeon with AMX here a Q8_0 model's first pass crashed the process with them "
+                           "(docs/ENGINES.md).")
+
+
 class _ModelPoolConfig(_ScaledPool):
-    engine: Literal["huggingface"] = Field(
+    engine: Literal["huggingface", "llamacpp"] = Field(
         "huggingface", description="What runs the model: transformers, in the replica's process "
-                                   "(tp_size 1) or as a tensor-parallel group of tp_size shards.")
+                                   "(tp_size 1) or as a tensor-parallel group of tp_size shards; or llama.cpp on a "
+                                   "GGUF file (models.*.path), in the replica's process (the specserve[llamacpp] "
+                                   "extra on the pool's nodes; replicas/engines/llamacpp).")
+    llamacpp: LlamaCppOptions = Field(default_factory=LlamaCppOptions, description="Used with engine: llamacpp.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel shards per replica, all on one node "
                                               "(a placement group of tp_size bundles, STRICT_PACK).")
     max_ongoing_requests: int = Field(64, ge=1, description="Calls a replica accepts at once (Ray Serve's "
@@ -228,8 +267,9 @@ class VllmOptions(Strict):
 
 
 class TargetPoolConfig(_ModelPoolConfig):
-    engine: Literal["huggingface", "vllm"] = Field(
-        "huggingface", description="What runs the target: transformers (replicas/engines), or vLLM, which runs the "
+    engine: Literal["huggingface", "llamacpp", "vllm"] = Field(
+        "huggingface", description="What runs the target: transformers (replicas/engines), llama.cpp on a GGUF file "
+                                   "(replicas/engines/llamacpp; the specserve[llamacpp] extra), or vLLM, which runs the "
                                    "rounds itself with drafts from the draft pool (replicas/engines/vllm/target.py; "
                                    "needs the specserve[vllm] extra on the target's nodes).")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="Used with engine: vllm.")
@@ -417,6 +457,13 @@ class ClusterConfig(Strict):
             if needing:
                 raise ValueError(f"speculation: {', '.join(needing)} drafts from the draft pool, and models.draft "
                                  "is left out (without it, speculation.method and methods may be ngram and suffix only)")
+        for role, spec in self.models.specs().items():
+            engine = getattr(self.pools, role).engine
+            if spec.is_gguf != (engine == "llamacpp"):
+                raise ValueError(f"models.{role}.path: {spec.path} with pools.{role}.engine: {engine}; a GGUF file "
+                                 "runs on engine: llamacpp, which runs GGUF files only")
+            if engine == "llamacpp" and getattr(self.pools, role).tp_size > 1:
+                raise ValueError(f"pools.{role}.tp_size: engine: llamacpp runs one process per replica (tp_size 1)")
         if self.pools.target.engine == "vllm" and self.speculation.method not in _VLLM_METHODS:
             raise ValueError(f"speculation.method: {self.speculation.method} is not served with "
                              f"pools.target.engine: vllm, which drafts inside its engine: "
@@ -452,7 +499,9 @@ def _describe(error: dict[str, Any]) -> str:
 def _resolve_paths(config: ClusterConfig, base: Path) -> ClusterConfig:
     def resolved(spec: ModelSpec) -> ModelSpec:
         cache = spec.compile_cache_dir
+        tokenizer = spec.tokenizer
         return spec.model_copy(update={"path": (base / spec.path).resolve(),
+                                       "tokenizer": (base / tokenizer).resolve() if tokenizer else None,
                                        "compile_cache_dir": (base / cache).resolve() if cache else None})
 
     models = ModelsConfig(**{role: resolved(spec) for role, spec in config.models.specs().items()})
@@ -467,12 +516,15 @@ def _model_problems(config: ClusterConfig) -> list[str]:
     """Missing folders, and target/draft pairs that cannot work together."""
     problems, shapes = [], {}
     for role, spec in config.models.specs().items():
-        config_file = spec.path / "config.json"
+        config_file = spec.folder / "config.json"
+        key = "tokenizer" if spec.tokenizer is not None else "path"
         if config_file.is_file():
             shapes[role] = _model_shape(config_file)
         elif spec.placeholder is None:
-            what = "missing model directory" if not spec.path.exists() else "no config.json in"
-            problems.append(f"models.{role}.path: {what} {spec.path}")
+            what = "missing model directory" if not spec.folder.exists() else "no config.json in"
+            problems.append(f"models.{role}.{key}: {what} {spec.folder}")
+        if spec.is_gguf and not spec.path.is_file():
+            problems.append(f"models.{role}.path: no such GGUF file {spec.path}")
     vocab = {role: shape.get("vocab_size") for role, shape in shapes.items()}
     if len(vocab) == 2 and vocab["target"] != vocab["draft"]:
         problems.append(f"models.draft.path: vocabulary size {vocab['draft']} differs from the "

@@ -31,10 +31,11 @@ def cluster_data(config: ClusterConfig, raw: dict, models_dir: str | None = None
     paths the cluster's nodes will see (absolute, under models_dir, or relative to models_uri)."""
     data = copy.deepcopy(raw)
     for role, spec in config.models.specs().items():
-        resolved = spec.path
-        path = (str(Path(models_dir) / resolved.name) if models_dir else
-                resolved.name if models_uri else str(resolved))
-        data["models"][role]["path"] = path
+        for key in ("path", "tokenizer"):
+            resolved = getattr(spec, key)
+            if resolved is not None:
+                data["models"][role][key] = (str(Path(models_dir) / resolved.name) if models_dir else
+                                             resolved.name if models_uri else str(resolved))
     return data
 
 

@@ -85,7 +85,7 @@ async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
 def _eos_ids(config: ClusterConfig, tokenizer) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
-        eos = GenerationConfig.from_pretrained(config.models.target.path, local_files_only=True).eos_token_id
+        eos = GenerationConfig.from_pretrained(config.models.target.folder, local_files_only=True).eos_token_id
     except OSError:
         eos = None
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -93,7 +93,7 @@ def _eos_ids(config: ClusterConfig, tokenizer) -> set[int]:
 
 
 def _vocab_size(config: ClusterConfig) -> int:
-    return AutoConfig.from_pretrained(config.models.target.path, local_files_only=True).vocab_size
+    return AutoConfig.from_pretrained(config.models.target.folder, local_files_only=True).vocab_size
 
 
 def _require_json(content_type: str | None) -> None:
@@ -152,7 +152,7 @@ async def _until(deadline: float, deltas: AsyncIterator[Delta]) -> AsyncIterator
 class Router:
     def __init__(self, draft, target, config: ClusterConfig, channel_key: bytes):
         self.config = config
-        tokenizer = load_tokenizer(config.models.target.path)
+        tokenizer = load_tokenizer(config.models.target.folder)
         vocab_size = _vocab_size(config)
         self.keys = ApiKeys.load(config.server.api_keys_file)
         eos_token_ids = _eos_ids(config, tokenizer)

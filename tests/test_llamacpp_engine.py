@@ -1,0 +1,267 @@
+"""The llama.cpp engine (replicas/engines/llamacpp): GGUF files written from the test models,
+run through llama.cpp's own library.
+
+- Its logits are transformers' on the same weights (an independent forward), so the GGUF
+  export and llama.cpp's RoPE layout are right.
+- A position's logits do not depend on the pass that computed them (alone, in a window, among
+  other sequences, in a pass of many positions): llama.cpp's CPU kernels change summation
+  order with the pass's size, and the runner keeps every pass on one side of those changes.
+- Greedy speculation equals this engine's own target alone token for token, for k 1, 3, 5,
+  the draft model and lookup drafts, and with mixed engines (a llama.cpp draft for the
+  transformers target and the other way round).
+- Sampled speculation passes the chi-square test against the target's exact distribution.
+- A served cluster on llama.cpp (both pools) answers over HTTP exactly as its target alone.
+- A file whose vocabulary differs from the router's tokenizer is refused; so is a config
+  that names a GGUF file without a tokenizer or on another engine.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.bench.prompts import fresh_prompts
+from cluster.config import ConfigError, ModelSpec, parse_config
+from replicas.drafting.lookup import lookup_drafts
+from replicas.drafting.suffix import OutputCache, suffix_drafts
+from replicas.engines.huggingface import DraftEngine, TargetEngine
+from replicas.engines.huggingface.loading import load_causal_lm
+from replicas.engines.huggingface.model_runner import ExtendCall
+from replicas.engines.llamacpp import LlamaCppDraftEngine, LlamaCppTargetEngine, build
+from replicas.engines.llamacpp.gguf_export import export, export_model, folder_vocabulary, write_gguf
+from replicas.engines.llamacpp.runner import LlamaCppRunner
+from replicas.engines.llamacpp.vocabulary import VocabularyMismatch, check_vocabulary
+from replicas.protocol import ProposeRequest, VerifyRequest
+from replicas.sampling import GREEDY
+from replicas.tokenizer import load_tokenizer
+from tests.conftest import cluster_config, deploy
+from tests.http_client import complete
+from training.tiny_models import tiny_llama
+from tests.test_sampling_exactness import (ALPHA, SETTINGS, VOCAB, chi_square_p_value, exact_joint,
+                                           speculative_pairs)
+
+BUNDLED = {"target": "models/target", "draft": "models/draft"}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(zoo, tmp_path_factory) -> dict[str, str]:
+    """The zoo's target and perturbed draft, and the bundled pair, as float32 GGUF files."""
+    root = tmp_path_factory.mktemp("gguf")
+    folders = {"zoo-target": zoo.target, "zoo-draft": zoo.drafts["perturbed"], **BUNDLED}
+    return {name: str(export(folder, root / f"{name}.gguf")) for name, folder in folders.items()}
+
+
+def runner(path: str, **options) -> LlamaCppRunner:
+    return LlamaCppRunner(path, 16384, 512, **options)
+
+
+def test_llamacpp_computes_the_transformers_logits_of_the_exported_model(zoo, gguf_files):
+    """Float32 throughout (flash attention off, a float32 cache): transformers' logits to
+    float32's rounding. With flash attention (the runner's default, for exactness) llama.cpp
+    scores attention in half precision: within a few hundredths here."""
+    model = load_causal_lm(ModelSpec(path=zoo.target))
+    ids = load_tokenizer(zoo.target).encode("class Stack:\n    def push(self, item):\n        self.items.append(item)\n")
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].float()
+    exact, fused = (runner(gguf_files["zoo-target"], kv_type="f32", flash_attention=flash).extend_batch(
+        [ExtendCall("a", ids, len(ids))])[0].logits for flash in (False, True))
+    assert exact.shape == want.shape
+    assert torch.allclose(exact, want, atol=1e-4, rtol=1e-4), (exact - want).abs().max()
+    assert torch.allclose(fused, want, atol=0.05), (fused - want).abs().max()
+
+
+def test_a_positions_logits_do_not_depend_on_the_pass_that_computes_it(gguf_files):
+    """The last position of each prompt: computed alone (one position), as the last of a
+    window, beside other sequences' single steps, and in a pass of 200 positions with a long
+    prompt's prefill. All within a few float32 roundings (measured 1.9e-6 at most), where
+    llama.cpp's own choice of kernel by the pass's size moves them by 1e-4 to 1e-3: a single
+    position's matrix-vector path, and flash attention's tiled kernel from 64 positions."""
+    tokenizer = load_tokenizer(BUNDLED["target"])
+    prompts = fresh_prompts(tokenizer, 5, 24)
+    filler = fresh_prompts(tokenizer, 6, 200)[5]
+    engine = runner(gguf_files["target"])
+
+    def last(tag: str, calls_of) -> list[torch.Tensor]:
+        for i, ids in enumerate(prompts):
+            engine.extend_batch([ExtendCall(f"{tag}{i}", ids[:-1], 1)])      # the rest cached
+        return calls_of(tag)
+
+    alone = last("alone", lambda tag: [engine.extend_batch([ExtendCall(f"{tag}{i}", ids, 1)])[0].logits[0]
+                                       for i, ids in enumerate(prompts)])
+    window = last("window", lambda tag: [engine.extend_batch([ExtendCall(f"{tag}{i}", ids, 4)])[0].logits[-1]
+                                         for i, ids in enumerate(prompts)])
+    batched = last("batched", lambda tag: [e.logits[0] for e in engine.extend_batch(
+        [ExtendCall(f"{tag}{i}", ids, 1) for i, ids in enumerate(prompts)])])
+    crowded = last("crowded", lambda tag: [engine.extend_batch(
+        [ExtendCall(f"{tag}{i}", ids, 1), ExtendCall(f"filler{i}", filler, 1)])[0].logits[0]
+        for i, ids in enumerate(prompts)])
+    for name, got in (("window", window), ("batched", batched), ("crowded", crowded)):
+        for a, b in zip(alone, got):
+            assert (a - b).abs().max() <= 1e-5, f"{name}: {(a - b).abs().max()}"
+
+
+def greedy_runs(target, draft, prompts: list[list[int]], k: int, tokens: int, tag: str,
+                lookup: str | None = None, batch: int = 16) -> list[list[int]]:
+    """Each prompt's first `tokens` greedy tokens, `batch` sequences verified together per
+    round: drafts from `draft` (k of them), from lookup ("ngram", "suffix"), or none (k 0:
+    the target alone, one position a call)."""
+    outputs = OutputCache(max_tokens=1 << 16)
+    results = []
+    for first in range(0, len(prompts), batch):
+        sequences = {i: list(prompts[i]) for i in range(first, min(len(prompts), first + batch))}
+        while live := [i for i in sequences if len(sequences[i]) - len(prompts[i]) < tokens]:
+            if k and lookup is None:
+                proposals = draft.propose([ProposeRequest(f"{tag}{i}", sequences[i], k, GREEDY, 0) for i in live])
+                drafts = {i: p.tokens for i, p in zip(live, proposals)}
+            elif k:
+                drafts = {i: (lookup_drafts(sequences[i], k) if lookup == "ngram"
+                              else suffix_drafts(sequences[i], k, outputs)) for i in live}
+            else:
+                drafts = {i: [] for i in live}
+            verdicts = target.verify([VerifyRequest(f"{tag}{i}", sequences[i], drafts[i], None, GREEDY, 0)
+                                      for i in live])
+            for i, verdict in zip(live, verdicts):
+                sequences[i] += verdict.tokens
+        for i, ids in sequences.items():
+            results.append(ids[len(prompts[i]):len(prompts[i]) + tokens])
+            outputs.add(prompts[i], results[-1])
+            target.release(f"{tag}{i}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def bundled_engines(gguf_files):
+    return (LlamaCppTargetEngine(runner(gguf_files["target"]), None),
+            LlamaCppDraftEngine(runner(gguf_files["draft"]), None))
+
+
+@pytest.fixture(scope="module")
+def fresh(bundled_engines) -> list[list[int]]:
+    return fresh_prompts(load_tokenizer(BUNDLED["target"]), 32, 48)
+
+
+@pytest.fixture(scope="module")
+def target_alone(bundled_engines, fresh) -> list[list[int]]:
+    target, draft = bundled_engines
+    return greedy_runs(target, draft, fresh, 0, 64, "alone")
+
+
+@pytest.mark.parametrize("k", (1, 3, 5))
+def test_greedy_with_the_draft_model_equals_the_target_alone(bundled_engines, fresh, target_alone, k):
+    target, draft = bundled_engines
+    got = greedy_runs(target, draft, fresh, k, 64, f"draft-k{k}")
+    assert [i for i, (a, b) in enumerate(zip(got, target_alone)) if a != b] == []
+
+
+@pytest.mark.parametrize("method", ("ngram", "suffix"))
+def test_greedy_with_lookup_drafts_equals_the_target_alone(bundled_engines, fresh, target_alone, method):
+    target, draft = bundled_engines
+    got = greedy_runs(target, draft, fresh, 5, 64, method, lookup=method)
+    assert [i for i, (a, b) in enumerate(zip(got, target_alone)) if a != b] == []
+
+
+def test_greedy_with_mixed_engines_equals_each_target_alone(bundled_engines, fresh):
+    """A llama.cpp draft for the transformers target, and a transformers draft for the
+    llama.cpp target: each exact against its own target alone."""
+    llama_target, llama_draft = bundled_engines
+    hf_target = TargetEngine.on_model(load_causal_lm(ModelSpec(path=BUNDLED["target"])), 16384, 512)
+    hf_draft = DraftEngine.on_model(load_causal_lm(ModelSpec(path=BUNDLED["draft"])), 16384, 512)
+    prompts = fresh[:16]
+    for target, draft, name in ((hf_target, llama_draft, "hf-target"), (llama_target, hf_draft, "llama-target")):
+        alone = greedy_runs(target, draft, prompts, 0, 48, f"{name}-alone")
+        got = greedy_runs(target, draft, prompts, 3, 48, f"{name}-mixed")
+        assert got == alone, name
+
+
+@pytest.fixture(scope="module")
+def sampling_pair(tmp_path_factory):
+    """test_sampling_exactness.py's pair (8 tokens, far apart), in both engines."""
+    target = tiny_llama("target", VOCAB, eos_token_id=0, seed=21, initializer_range=0.15)
+    draft = tiny_llama("draft", VOCAB, eos_token_id=0, seed=22, initializer_range=0.15)
+    root = tmp_path_factory.mktemp("pair")
+    vocabulary = [f"<t{i}>" for i in range(VOCAB)]
+    files = {name: str(export_model(model, vocabulary, root / f"{name}.gguf"))
+             for name, model in (("target", target), ("draft", draft))}
+    return target, draft, files
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("engines", ("llamacpp", "llamacpp-draft", "llamacpp-target"))
+def test_sampled_speculation_on_llamacpp_has_the_targets_distribution(sampling_pair, setting, engines):
+    target, draft, files = sampling_pair
+    params = SETTINGS[setting]
+    verifier = LlamaCppTargetEngine(runner(files["target"]), None) if engines != "llamacpp-draft" else None
+    drafts = LlamaCppDraftEngine(runner(files["draft"]), None) if engines != "llamacpp-target" else None
+    counts = speculative_pairs(target, draft, params, seed=5, verifier=verifier, drafts=drafts)
+    assert chi_square_p_value(counts, exact_joint(target, params)) > ALPHA
+
+
+def test_a_file_whose_tokens_differ_from_the_tokenizer_is_refused(zoo, tmp_path):
+    model = load_causal_lm(ModelSpec(path=zoo.target))
+    vocabulary = folder_vocabulary(zoo.target)
+    tokens = list(vocabulary.tokens)
+    tokens[10], tokens[11] = tokens[11], tokens[10]
+    swapped = replace(vocabulary, tokens=tokens)
+    config = model.config.to_dict()
+    same = write_gguf(config, model.state_dict(), vocabulary, tmp_path / "same.gguf")
+    check_vocabulary(runner(str(same)), zoo.target)
+    other = write_gguf(config, model.state_dict(), swapped, tmp_path / "swapped.gguf")
+    with pytest.raises(VocabularyMismatch, match="2 of .* token ids name other tokens"):
+        check_vocabulary(runner(str(other)), zoo.target)
+
+
+def gguf_config(gguf_files, zoo, **sections):
+    data = {"models": {"target": {"path": gguf_files["zoo-target"], "tokenizer": str(zoo.target)},
+                       "draft": {"path": gguf_files["zoo-draft"], "tokenizer": str(zoo.drafts["perturbed"])}},
+            "pools": {"draft": {"engine": "llamacpp"}, "target": {"engine": "llamacpp"}}}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return data
+
+
+def test_config_refuses_a_gguf_file_without_its_tokenizer_or_engine(gguf_files, zoo):
+    data = gguf_config(gguf_files, zoo)
+    parse_config(data, base=Path.cwd())
+    without_tokenizer = {**data, "models": {**data["models"], "target": {"path": gguf_files["zoo-target"]}}}
+    with pytest.raises(ConfigError, match="is a GGUF file: give tokenizer"):
+        parse_config(without_tokenizer, base=Path.cwd())
+    other_engine = {**data, "pools": {"draft": {"engine": "llamacpp"}}}
+    with pytest.raises(ConfigError, match="runs on engine: llamacpp"):
+        parse_config(other_engine, base=Path.cwd())
+    folder_on_llamacpp = {**data, "models": {**data["models"], "target": {"path": str(zoo.target)}}}
+    with pytest.raises(ConfigError, match="runs GGUF files only"):
+        parse_config(folder_on_llamacpp, base=Path.cwd())
+
+
+def test_without_llama_cpp_python_the_engine_names_the_extra(gguf_files, zoo, monkeypatch):
+    config = parse_config(gguf_config(gguf_files, zoo), base=Path.cwd())
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)           # what an install without the extra has
+    monkeypatch.delitem(sys.modules, "replicas.engines.llamacpp.runner")
+    with pytest.raises(RuntimeError, match=r"specserve\[llamacpp\]"):
+        build("target", config.models.target, config.pools.target, 512)
+
+
+def test_a_served_cluster_on_llamacpp_answers_as_its_target_alone(ray_serve, gguf_files, zoo):
+    """Both pools on llama.cpp behind a real router: over HTTP, greedy completions with drafts
+    (k 1, 3, 5) equal the same server's completions with speculation off, and its replicas say
+    they run llama.cpp."""
+    config = cluster_config(zoo.target, zoo.drafts["perturbed"])
+    data = gguf_config(gguf_files, zoo, limits=config.limits.model_dump(),
+                       speculation={"method": "draft_model"})
+    for role in ("draft", "target"):
+        data["pools"][role]["resources"] = {"num_cpus": 0.1}
+    url = deploy(ray_serve, "llamacpp", parse_config(data, base=Path.cwd()))
+    for prompt in ("import os\n", "class Stack:\n    def __init__(self):\n        self.items = []\n"):
+        alone = complete(url, prompt, max_tokens=32, speculation={"enabled": False})["choices"][0]
+        for k in (1, 3, 5):
+            got = complete(url, prompt, max_tokens=32, speculation={"k": k})
+            assert got["choices"][0]["token_ids"] == alone["token_ids"], k
+            assert got["speculation"]["drafted_tokens"] > 0
+    from ray import serve
+
+    described = serve.get_deployment_handle("target", app_name="llamacpp").describe.remote().result()
+    assert described["engine"] == "llamacpp"
