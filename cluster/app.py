@@ -104,6 +104,21 @@ def _replica_count(pool, autoscaling_config) -> dict:
     return {"autoscaling_config": autoscaling_config(pool.autoscaling)}
 
 
+def ensure_gguf_files(config: ClusterConfig, say: Callable[[str], None] = print) -> None:
+    """Write the GGUF files cluster.yaml names that are missing, from their tokenizer folders'
+    safetensors (replicas/engines/llamacpp/gguf_export.py): the bundled pair needs no hub."""
+    for role, spec in config.models.specs().items():
+        if spec.is_gguf and not spec.path.is_file() and spec.gguf_buildable:
+            try:
+                from replicas.engines.llamacpp.gguf_export import export
+            except ImportError as exc:
+                raise SystemExit(f"models.{role}.path {spec.path}: writing it needs the gguf package; install "
+                                 f"specserve[llamacpp] ({exc})") from exc
+            say(f"writing {spec.path} ({spec.gguf_type}) from {spec.tokenizer}")
+            spec.path.parent.mkdir(parents=True, exist_ok=True)
+            export(spec.tokenizer, spec.path, spec.gguf_type)
+
+
 def ensure_placeholder_models(config: ClusterConfig, say: Callable[[str], None] = print) -> None:
     """Build the UNTRAINED placeholder models that cluster.yaml asks for and that are missing.
     The tokenizer is fitted deterministically, so folders built at different times agree."""

@@ -58,9 +58,10 @@ def _up(args: argparse.Namespace) -> int:
         k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
     config = config.model_copy(update={"server": server})
 
-    from cluster.app import ensure_placeholder_models
+    from cluster.app import ensure_gguf_files, ensure_placeholder_models
 
     ensure_placeholder_models(config)
+    ensure_gguf_files(config)
     try:
         start(config)
         wait_until_interrupted()

@@ -39,7 +39,10 @@ class ModelSpec(Strict):
         None, strict=False, description="The Hugging Face folder whose tokenizer, config.json and "
                                         "generation_config.json the router uses for this model (relative to "
                                         "cluster.yaml). Needed where path names a GGUF file, whose vocabulary the "
-                                        "replica checks against this tokenizer's at start; default: path.")
+                                        "replica checks against this tokenizer's at start; where that file is "
+                                        "missing and this folder holds the model's safetensors, `specserve up` "
+                                        "writes it from them, in the type its name ends with (-q8_0, -bf16, -f16; "
+                                        "else f32). Default: path.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights and activations dtype on the replica. 'auto': the checkpoint's own "
         "(config.json) where the device computes it natively (a GPU; a CPU with oneDNN's bfloat16 kernels for "
@@ -74,6 +77,18 @@ class ModelSpec(Strict):
     @property
     def is_gguf(self) -> bool:
         return self.path.suffix.lower() == ".gguf"
+
+    @property
+    def gguf_type(self) -> str:
+        """The type a missing GGUF file is written in, from its name's ending: -q8_0, -bf16,
+        -f16, else f32."""
+        stem = self.path.stem.lower()
+        return next((kind for kind in ("q8_0", "bf16", "f16") if stem.endswith(f"-{kind}")), "f32")
+
+    @property
+    def gguf_buildable(self) -> bool:
+        """A missing GGUF file can be written from the tokenizer folder's own weights."""
+        return self.tokenizer is not None and any(self.tokenizer.glob("*.safetensors"))
 
     @model_validator(mode="after")
     def gguf_names_its_tokenizer(self):
@@ -523,8 +538,9 @@ def _model_problems(config: ClusterConfig) -> list[str]:
         elif spec.placeholder is None:
             what = "missing model directory" if not spec.folder.exists() else "no config.json in"
             problems.append(f"models.{role}.{key}: {what} {spec.folder}")
-        if spec.is_gguf and not spec.path.is_file():
-            problems.append(f"models.{role}.path: no such GGUF file {spec.path}")
+        if spec.is_gguf and not spec.path.is_file() and not spec.gguf_buildable:
+            problems.append(f"models.{role}.path: no such GGUF file {spec.path}, and no safetensors in "
+                            f"{spec.folder} to write it from")
     vocab = {role: shape.get("vocab_size") for role, shape in shapes.items()}
     if len(vocab) == 2 and vocab["target"] != vocab["draft"]:
         problems.append(f"models.draft.path: vocabulary size {vocab['draft']} differs from the "

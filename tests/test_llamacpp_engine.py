@@ -265,3 +265,22 @@ def test_a_served_cluster_on_llamacpp_answers_as_its_target_alone(ray_serve, ggu
 
     described = serve.get_deployment_handle("target", app_name="llamacpp").describe.remote().result()
     assert described["engine"] == "llamacpp"
+
+
+def test_a_missing_gguf_file_is_written_from_its_tokenizer_folder_in_the_type_its_name_says(zoo, tmp_path):
+    """`specserve up` with cluster-llamacpp.yaml's layout: the files are made, not shipped."""
+    from cluster.app import ensure_gguf_files
+    import gguf
+
+    data = {"models": {"target": {"path": str(tmp_path / "target-q8_0.gguf"), "tokenizer": str(zoo.target)},
+                       "draft": {"path": str(tmp_path / "draft.gguf"), "tokenizer": str(zoo.drafts["perturbed"])}},
+            "pools": {"draft": {"engine": "llamacpp"}, "target": {"engine": "llamacpp"}}}
+    config = parse_config(data, base=Path.cwd())
+    ensure_gguf_files(config, say=lambda line: None)
+    kinds = {name: {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / name).tensors}
+             for name in ("target-q8_0.gguf", "draft.gguf")}
+    assert kinds == {"target-q8_0.gguf": {"Q8_0", "F32"}, "draft.gguf": {"F32"}}
+    nowhere = {**data, "models": {**data["models"], "draft": {"path": str(tmp_path / "x.gguf"),
+                                                             "tokenizer": str(tmp_path)}}}
+    with pytest.raises(ConfigError, match="no such GGUF file .* and no safetensors"):
+        parse_config(nowhere, base=Path.cwd())

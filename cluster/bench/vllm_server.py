@@ -50,7 +50,7 @@ def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited ({process.returncode}) before it answered:\n"
+            raise RuntimeError(f"the server exited ({process.returncode}) before it answered:\n"
                                + log.read_text()[-3000:])
         try:
             if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
@@ -58,7 +58,7 @@ def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    raise RuntimeError(f"vLLM's server did not answer within {_READY_TIMEOUT_S} s (log: {log})")
+    raise RuntimeError(f"the server did not answer within {_READY_TIMEOUT_S} s (log: {log})")
 
 
 def _stop(process: subprocess.Popen) -> None:
