@@ -7,6 +7,7 @@ documented keys, PNG); then the repeated workload."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -152,3 +153,32 @@ def test_a_paired_interval_holds_the_speedup_and_narrows_where_the_pairs_agree()
     spread = _paired_interval([950.0, 600.0, 800.0], alone)
     assert spread[0] < 0.9 < spread[1] and spread[1] - spread[0] > 0.05
     assert _paired_interval([900.0], [1000.0]) is None
+
+
+def test_each_phase_is_compared_with_llama_cpps_best_server():
+    """specserve bench --llama-server: every specserve mode over the fastest of llama.cpp's
+    servers in the phase, and the target alone over llama.cpp's alone."""
+    from cluster.bench.run import _against_llamacpp
+
+    rate = {"target_only": 40.0, "default": 60.0, "llamacpp_serve_alone": 50.0, "llamacpp_serve_draft": 80.0,
+            "llamacpp_serve_ngram": 70.0}
+    got = _against_llamacpp({name: {"output_tokens_per_s": value} for name, value in rate.items()})
+    assert got == {"best_llamacpp": "llamacpp_serve_draft", "target_only_vs_best_llamacpp": 0.5,
+                   "default_vs_best_llamacpp": 0.75, "target_only_vs_llamacpp_serve_alone": 0.8}
+
+
+def test_llama_server_runs_the_same_files_with_the_speculation_each_mode_names():
+    from cluster.bench.llamacpp_server import server_command
+
+    alone = server_command("llama-server", Path("t.gguf"), Path("d.gguf"), "llamacpp_serve_alone", 4, 9000, 16,
+                           512, None, repack=False)
+    draft = server_command("llama-server", Path("t.gguf"), Path("d.gguf"), "llamacpp_serve_draft", 4, 9000, 16,
+                           512, 2, repack=True)
+    ngram = server_command("llama-server", Path("t.gguf"), None, "llamacpp_serve_ngram", 4, 9000, 16, 512, None,
+                           repack=False)
+    assert alone[:3] == ["llama-server", "-m", "t.gguf"] and "--spec-type" not in alone and "--no-repack" in alone
+    assert alone[alone.index("-np") + 1] == "16" and alone[alone.index("-c") + 1] == str(16 * 512)
+    assert draft[draft.index("-md") + 1] == "d.gguf" and draft[draft.index("--spec-type") + 1] == "draft-simple"
+    assert draft[draft.index("--spec-draft-n-max") + 1] == "4" and "--no-repack" not in draft
+    assert draft[draft.index("-t") + 1] == "2"
+    assert ngram[ngram.index("--spec-type") + 1] == "ngram-simple" and "-md" not in ngram

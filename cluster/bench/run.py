@@ -204,7 +204,7 @@ def bench(args: argparse.Namespace, config: ClusterConfig, url: str, other_serve
     from cluster.bench.vllm_compare import compare, vllm_python
     from replicas.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(config.models.target.path)
+    tokenizer = load_tokenizer(config.models.target.folder)
     k = config.speculation.k
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     constraint = ({"structured_outputs": {"json": json.loads(args.json_schema.read_text())}}
@@ -523,7 +523,7 @@ def _ideal(config: ClusterConfig, phase: dict, context: int) -> dict | str:
         return "skipped: no draft_model mode (no draft model, or --modes left it out)"
     if not spec["mean_k"] or not spec["tokens_per_round"]:
         return "skipped: the draft_model mode drafted nothing"
-    target_ms, draft_ms = decode_step_ms([config.models.target.path, config.models.draft.path], context)
+    target_ms, draft_ms = decode_step_ms([config.models.target.folder, config.models.draft.folder], context)
     ratio = draft_ms / target_ms
     return {"target_step_ms": round(target_ms, 3), "draft_step_ms": round(draft_ms, 3),
             "cost_ratio": round(ratio, 4), "tokens_per_round": spec["tokens_per_round"],
@@ -541,7 +541,7 @@ def _hf(config: ClusterConfig, prompts: list[list[int]], max_tokens: int, k: int
         return "skipped: --hf-prompts 0"
     if config.models.draft is None:
         return "skipped: no draft model"
-    result = hf_assisted_generation(config.models.target.path, config.models.draft.path, prompts, max_tokens, k, eos)
+    result = hf_assisted_generation(config.models.target.folder, config.models.draft.folder, prompts, max_tokens, k, eos)
     return asdict(result)
 
 
