@@ -51,6 +51,9 @@ def _deploy(config_path: str) -> str:
     config = load_or_report(config_path)
     if config is None:
         raise SystemExit(f"{config_path} is not a valid cluster config")
+    from cluster.app import ensure_gguf_files
+
+    ensure_gguf_files(config)     # into the job's working folder: a one-node cluster's replicas read them there
     ray.init(logging_level="WARNING", log_to_driver=False)     # the job's cluster
     return deploy(config)
 

@@ -5,7 +5,7 @@ here and the tokenizer is the bundled one's (so the router and the bundled draft
     python -m cluster.bench.random_model /tmp/llama-1b --size 1b
 
 Sizes: `1b` has TinyLlama-1.1B's layer shapes (22 layers, hidden 2048, intermediate 5632,
-32 heads, 4 key/value heads) over the bundled 4,096-token vocabulary: 0.97 B parameters,
+32 heads, 4 key/value heads) over the bundled 512-token vocabulary: 0.97 B parameters,
 3.9 GB in float32. `small` (12 layers, hidden 768) has 81 M, 0.3 GB: a target whose load
 takes seconds, for tests of a start. `tiny` is a few MB.
 """
