@@ -254,17 +254,20 @@ def test_a_served_cluster_on_llamacpp_answers_as_its_target_alone(ray_serve, ggu
                        speculation={"method": "draft_model"})
     for role in ("draft", "target"):
         data["pools"][role]["resources"] = {"num_cpus": 0.1}
-    url = deploy(ray_serve, "llamacpp", parse_config(data, base=Path.cwd()))
-    for prompt in ("import os\n", "class Stack:\n    def __init__(self):\n        self.items = []\n"):
-        alone = complete(url, prompt, max_tokens=32, speculation={"enabled": False})["choices"][0]
-        for k in (1, 3, 5):
-            got = complete(url, prompt, max_tokens=32, speculation={"k": k})
-            assert got["choices"][0]["token_ids"] == alone["token_ids"], k
-            assert got["speculation"]["drafted_tokens"] > 0
     from ray import serve
 
-    described = serve.get_deployment_handle("target", app_name="llamacpp").describe.remote().result()
-    assert described["engine"] == "llamacpp"
+    url = deploy(ray_serve, "llamacpp", parse_config(data, base=Path.cwd()))
+    try:
+        for prompt in ("import os\n", "class Stack:\n    def __init__(self):\n        self.items = []\n"):
+            alone = complete(url, prompt, max_tokens=32, speculation={"enabled": False})["choices"][0]
+            for k in (1, 3, 5):
+                got = complete(url, prompt, max_tokens=32, speculation={"k": k})
+                assert got["choices"][0]["token_ids"] == alone["token_ids"], k
+                assert got["speculation"]["drafted_tokens"] > 0
+        described = serve.get_deployment_handle("target", app_name="llamacpp").describe.remote().result()
+        assert described["engine"] == "llamacpp"
+    finally:
+        serve.delete("llamacpp")    # its replicas would hold memory and threads for every later module
 
 
 def test_a_missing_gguf_file_is_written_from_its_tokenizer_folder_in_the_type_its_name_says(zoo, tmp_path):
