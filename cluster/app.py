@@ -110,13 +110,12 @@ def ensure_gguf_files(config: ClusterConfig, say: Callable[[str], None] = print)
     for role, spec in config.models.specs().items():
         if spec.is_gguf and not spec.path.is_file() and spec.gguf_buildable:
             try:
-                from replicas.engines.llamacpp.gguf_export import export
+                from replicas.engines.llamacpp.gguf_export import write_if_missing
             except ImportError as exc:
                 raise SystemExit(f"models.{role}.path {spec.path}: writing it needs the gguf package; install "
                                  f"specserve[llamacpp] ({exc})") from exc
             say(f"writing {spec.path} ({spec.gguf_type}) from {spec.tokenizer}")
-            spec.path.parent.mkdir(parents=True, exist_ok=True)
-            export(spec.tokenizer, spec.path, spec.gguf_type)
+            write_if_missing(spec)
 
 
 def ensure_placeholder_models(config: ClusterConfig, say: Callable[[str], None] = print) -> None:

@@ -287,3 +287,20 @@ def test_a_missing_gguf_file_is_written_from_its_tokenizer_folder_in_the_type_it
                                                              "tokenizer": str(tmp_path)}}}
     with pytest.raises(ConfigError, match="no such GGUF file .* and no safetensors"):
         parse_config(nowhere, base=Path.cwd())
+
+
+def test_a_replica_writes_its_missing_gguf_file_on_its_own_node(zoo, tmp_path):
+    """A KubeRay pod or a `ray job submit` worker has the tokenizer folder in its image but no
+    file that a start elsewhere wrote: the engine writes it where it runs, whole (no partial
+    file left), and serves from it."""
+    path = tmp_path / "models" / "draft.gguf"
+    data = {"models": {"target": {"path": str(zoo.target)},
+                       "draft": {"path": str(path), "tokenizer": str(zoo.drafts["perturbed"])}},
+            "pools": {"draft": {"engine": "llamacpp"}}}
+    config = parse_config(data, base=Path.cwd())
+    engine = build("draft", config.models.draft, config.pools.draft, 512)
+    assert path.is_file() and [p.name for p in path.parent.iterdir()] == ["draft.gguf"]
+    assert engine.describe()["engine"] == "llamacpp"
+    written = path.stat().st_mtime_ns
+    build("draft", config.models.draft, config.pools.draft, 512)
+    assert path.stat().st_mtime_ns == written          # an existing file is read, not written again

@@ -207,3 +207,30 @@ def test_the_ingress_reaches_serves_controller_and_the_routers_in_the_serve_conf
     expected = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if ingress == "haproxy" else {}
     for env in (router_env, controller_env):
         assert {key: env[key] for key in env if key == "RAY_SERVE_ENABLE_HA_PROXY"} == expected
+
+
+@pytest.mark.skipif(not CRDS.is_dir(), reason=f"the KubeRay CRDs are not here ({CRDS})")
+def test_a_llamacpp_draft_pool_on_cpu_nodes_beside_a_gpu_target_renders_valid(tmp_path):
+    """Mixed engines on Kubernetes: the draft a GGUF file on llama.cpp, CPU nodes only, the
+    target the transformers engine on GPUs. The manifests validate against the KubeRay CRDs
+    and the Serve config against Serve's schema and ours; the draft's file and tokenizer are
+    under the image's models folder (each replica writes the file there if it is missing,
+    test_llamacpp_engine.py)."""
+    raw = yaml.safe_load(K8S_CONFIG.read_text())
+    raw["models"]["draft"] = {"path": "../models/gguf/draft-q8_0.gguf", "tokenizer": "../models/draft"}
+    raw["pools"]["draft"].update(engine="llamacpp", resources={"num_cpus": 4}, llamacpp={"threads": 4})
+    (tmp_path / "k8s").mkdir()
+    (tmp_path / "k8s" / "cluster.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "models").symlink_to(REPO / "models")
+    rendered = {name: yaml.safe_load(text) for name, text in render_k8s(tmp_path / "k8s" / "cluster.yaml").items()}
+    for name, crd in (("rayservice.yaml", "ray.io_rayservices.yaml"), ("rayjob.yaml", "ray.io_rayjobs.yaml")):
+        jsonschema.validate(rendered[name], _crd_schema(crd))
+    serve = yaml.safe_load(rendered["rayservice.yaml"]["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve)
+    [app] = serve["applications"]
+    cluster = ClusterConfig.model_validate(app["args"]["cluster"])
+    assert cluster.models.draft.path == Path("/app/models/draft-q8_0.gguf")
+    assert cluster.models.draft.tokenizer == Path("/app/models/draft")
+    assert (cluster.pools.draft.engine, cluster.pools.target.engine) == ("llamacpp", "huggingface")
+    draft = {d["name"]: d for d in app["deployments"]}["draft"]
+    assert draft["ray_actor_options"].get("num_gpus", 0) == 0 and draft["ray_actor_options"]["num_cpus"] == 4

@@ -43,10 +43,14 @@ class LlamaCppTargetEngine(TargetEngine):
 def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig,
           max_seq_len: int) -> LlamaCppDraftEngine | LlamaCppTargetEngine:
     try:
+        from replicas.engines.llamacpp.gguf_export import write_if_missing
         from replicas.engines.llamacpp.runner import LlamaCppRunner, threads_for
     except ImportError as exc:
         raise RuntimeError(f"{EXTRA_MISSING} ({exc})") from exc
     from replicas.engines.llamacpp.vocabulary import check_vocabulary
+
+    if write_if_missing(spec):
+        logger.info("llama.cpp %s: wrote %s (%s) from %s", role, spec.path, spec.gguf_type, spec.tokenizer)
 
     options = pool.llamacpp
     max_tokens = pool.kv_cache.max_tokens if pool.kv_cache.max_tokens != "auto" else 32768

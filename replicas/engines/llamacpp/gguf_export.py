@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,13 +73,31 @@ def gguf_name(hf_name: str) -> str:
 
 
 def export(folder: Path, out: Path, quant: str = "f32") -> Path:
-    """Write the Llama in `folder` (config.json, safetensors, tokenizer.json) to `out`."""
-    folder = Path(folder)
+    """Write the Llama in `folder` (config.json, safetensors, tokenizer.json) to `out`, whole
+    or not at all: written beside it, then renamed, so that replicas starting together on one
+    node never load a half-written file."""
+    folder, out = Path(folder), Path(out)
     config = json.loads((folder / "config.json").read_text())
     weights = {}
     for file in sorted(folder.glob("*.safetensors")):
         weights.update(load_file(str(file)))
-    return write_gguf(config, weights, _folder_vocabulary(folder, config["vocab_size"]), out, quant, folder.name)
+    partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
+    write_gguf(config, weights, _folder_vocabulary(folder, config["vocab_size"]), partial, quant, folder.name)
+    os.replace(partial, out)
+    return out
+
+
+def write_if_missing(spec) -> bool:
+    """Write spec.path (a cluster.config.ModelSpec naming a GGUF file) from its tokenizer
+    folder, in the type its name says, when the file is missing and the folder holds the
+    weights; whether it wrote. Run where the file is read: by `specserve up` before it deploys,
+    and by each replica on its own node (a KubeRay pod or a `ray job submit` worker has the
+    folder in its image but no file written by a start on another machine)."""
+    if not spec.is_gguf or spec.path.is_file() or not spec.gguf_buildable:
+        return False
+    spec.path.parent.mkdir(parents=True, exist_ok=True)
+    export(spec.tokenizer, spec.path, spec.gguf_type)
+    return True
 
 
 def export_model(model, vocabulary: list[str], out: Path, quant: str = "f32") -> Path:
