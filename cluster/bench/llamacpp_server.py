@@ -15,12 +15,9 @@ engine"), so that both run the same llama.cpp.
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from pathlib import Path
-from typing import Iterator
 
-from cluster.bench.vllm_server import _stop, _wait_ready
-from cluster.ports import free_port
+from cluster.bench.other_servers import running_servers
 
 SERVED_NAME = "specserve-pair"
 MODES = ("llamacpp_serve_alone", "llamacpp_serve_draft", "llamacpp_serve_ngram")
@@ -43,29 +40,12 @@ def server_command(binary: str, target: Path, draft: Path | None, mode: str, k: 
     return command
 
 
-@contextlib.contextmanager
 def llama_servers(binary: str, target: Path, draft: Path | None, k: int, slots: int, context: int,
                   threads: int | None, repack: bool, log_folder: Path,
-                  modes: tuple[str, ...] = MODES) -> Iterator[dict[str, str]]:
+                  modes: tuple[str, ...] = MODES) -> contextlib.AbstractContextManager[dict[str, str]]:
     """The servers of `modes` (the draft one only with a draft), one after the other; yields
     {mode: base URL}; each server's output goes to a log in log_folder."""
-    log_folder.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen] = []
-    urls: dict[str, str] = {}
-    try:
-        for mode in modes:
-            if mode == "llamacpp_serve_draft" and draft is None:
-                continue
-            port = free_port()
-            log = log_folder / f"{mode}.log"
-            process = subprocess.Popen(server_command(binary, target, draft, mode, k, port, slots, context, threads,
-                                                      repack),
-                                       stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-            processes.append(process)
-            urls[mode] = f"http://127.0.0.1:{port}"
-            print(f"bench: starting llama-server ({mode}) on port {port}, log {log}", flush=True)
-            _wait_ready(urls[mode], process, log)
-        yield urls
-    finally:
-        for process in processes:
-            _stop(process)
+    commands = {mode: (lambda port, mode=mode: server_command(binary, target, draft, mode, k, port, slots, context,
+                                                              threads, repack))
+                for mode in modes if mode != "llamacpp_serve_draft" or draft is not None}
+    return running_servers(commands, "llama-server", log_folder)

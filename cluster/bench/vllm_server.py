@@ -14,21 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
-from typing import Iterator
-
-import httpx
 
 from cluster.bench.vllm_compare import vllm_environment
-from cluster.ports import free_port
+from cluster.bench.other_servers import running_servers
 
 SERVED_NAME = "specserve-pair"
-_READY_TIMEOUT_S = 600
-_STOP_TIMEOUT_S = 30
 KV_CACHE_GIB = "2"            # VLLM_CPU_KVCACHE_SPACE: ample for 512-position sequences of the tiny pair
 
 
@@ -46,51 +37,11 @@ def _environment() -> dict:
     return {**vllm_environment(), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
 
 
-def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited ({process.returncode}) before it answered:\n"
-                               + log.read_text()[-3000:])
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"the server did not answer within {_READY_TIMEOUT_S} s (log: {log})")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-
-
-@contextlib.contextmanager
 def vllm_servers(python: str, target: Path, draft: Path, k: int, max_model_len: int,
-                 log_folder: Path) -> Iterator[dict[str, str]]:
+                 log_folder: Path) -> contextlib.AbstractContextManager[dict[str, str]]:
     """Both servers, one after the other (two starting at once would share the CPUs); yields
     {mode: base URL}; each server's output goes to a log in log_folder."""
-    log_folder.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen] = []
-    urls: dict[str, str] = {}
-    try:
-        for mode, with_draft in (("vllm_serve", draft), ("vllm_serve_alone", None)):
-            port = free_port()
-            log = log_folder / f"{mode}.log"
-            process = subprocess.Popen(server_command(python, target, with_draft, k, port, max_model_len),
-                                       stdout=log.open("w"), stderr=subprocess.STDOUT, env=_environment(),
-                                       start_new_session=True)
-            processes.append(process)
-            urls[mode] = f"http://127.0.0.1:{port}"
-            print(f"bench: starting vLLM's OpenAI server ({mode}) on port {port}, log {log}", flush=True)
-            _wait_ready(urls[mode], process, log)
-        yield urls
-    finally:
-        for process in processes:
-            _stop(process)
+    commands = {mode: (lambda port, with_draft=with_draft:
+                       server_command(python, target, with_draft, k, port, max_model_len))
+                for mode, with_draft in (("vllm_serve", draft), ("vllm_serve_alone", None))}
+    return running_servers(commands, "vLLM's OpenAI server", log_folder, env=_environment())
