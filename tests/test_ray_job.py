@@ -2,7 +2,8 @@
 authentication on, as by default), the job entrypoint deploying specserve and exiting while
 it keeps serving, greedy output equal to the target alone (as `specserve up` gives), the
 entrypoint's bench mode as a batch job, and the rendered Serve config deployed with
-`serve deploy`; then the head is stopped."""
+`serve deploy`, a cluster mixing engines (a llama.cpp draft pool on CPU nodes beside a
+transformers target) submitted as a job; then the head is stopped."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def head(tmp_path_factory):
             f"--port={free_port()}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-            f"--ray-client-server-port={free_port()}"]
+            f"--ray-client-server-port={free_port()}", '--resources={"cpu_node": 4}']
     log = open(tmp_path_factory.mktemp("head") / "ray-start.log", "w")
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
@@ -106,6 +107,29 @@ def test_a_bench_job_measures_the_endpoint_and_prints_its_result(head, job_confi
     [line] = [line for line in result.stdout.splitlines() if line.startswith("BENCH SUMMARY ")]
     summary = json.loads(line.removeprefix("BENCH SUMMARY "))
     assert summary["speedup_vs_target_only"]["1 greedy"] > 0
+
+
+def test_a_job_with_a_llamacpp_draft_pool_on_cpu_nodes_serves_as_the_target_alone(head, job_config, zoo,
+                                                                                   greedy_reference, tmp_path):
+    """The mixed cluster of docs/ENGINES.md: the draft pool on llama.cpp, its GGUF file not
+    there before the job (the job writes it from the tokenizer folder), its replicas on the
+    nodes with the `cpu_node` resource; the target on transformers. Greedy output with the
+    draft's proposals equals the target alone's generate."""
+    mixed = yaml.safe_load(job_config.read_text())
+    gguf = tmp_path / "draft-f32.gguf"
+    mixed["models"]["draft"] = {"path": str(gguf), "tokenizer": str(zoo.drafts["perturbed"])}
+    mixed["pools"]["draft"] = {"engine": "llamacpp", "resources": {"num_cpus": 0.1, "custom": {"cpu_node": 1}}}
+    mixed["speculation"] = {"method": "draft_model"}
+    path = tmp_path / "mixed.yaml"
+    path.write_text(yaml.safe_dump(mixed))
+    result = submit(head, "--config", str(path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert gguf.is_file()
+    url = endpoint(path)
+    for prompt in PROMPTS[:2]:
+        out = complete(url, prompt, max_tokens=24, speculation={"k": 3})
+        assert out["choices"][0]["token_ids"] == greedy_reference(prompt, 24)
+        assert out["speculation"]["by_kind"]["draft_model"]["drafted_tokens"] > 0    # the pool's drafts
 
 
 def test_a_job_that_cannot_deploy_exits_non_zero_with_the_reason(head, job_config, tmp_path):
