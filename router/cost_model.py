@@ -11,7 +11,17 @@ Terms:
   arithmetic outweighs the weight reads) and per attended position.
 - coordination: a round's wall time at the router beyond its calls' engine time: handle
   hops, serialization, batch windows, queueing. Measured per round kind (with a draft call
-  or without), as an average with forgetting.
+  or without), as an average with forgetting, less c_draft D (below): C(d), a round's
+  coordination with no drafts in flight.
+- drafts in flight D: the drafts of every sequence's latest round at this router. A round
+  waits for the batches of its neighbours' rounds, so their drafts are part of its time.
+- c_draft: what one more draft in flight adds to a round's coordination (DraftsInFlightCost):
+  the drafts ride the handle calls (a pool's with their probabilities), and the router
+  drafts, tracks and prices each one. No pass shows that cost, and measured as a constant per kind of round it
+  would be priced as fixed: it would lower the batch's rate and so make each draft look
+  cheaper the more is drafted. On the default cluster the hop grew by 0.1-0.4 ms per
+  drafted position at 8-32 clients (2026-12-06, docs/BENCHMARKS.md), where the passes price
+  a drafted position at about 0.2 ms.
 
 The target's model has no per-row term: a row costs through its positions. Most of the
 target's passes are single-token steps, where rows and positions are the same number, so
@@ -57,6 +67,13 @@ _GENERIC_ANCHOR = (1.0, 0.1, 0.2, 0.0)
 _VARIANCE_FLOOR = 0.05 ** 2
 _COORDINATION_EMA = 0.1
 _DEFAULT_COORDINATION_MS = 5.0
+# c_draft: the means it is measured around follow the last 50 rounds or so (the level moves
+# with the load); the slope is read from the last 2000 (seconds at any load: the drafts in
+# flight move little from one round to the next).
+_IN_FLIGHT_MEANS = 0.02
+_IN_FLIGHT_FORGET = 0.9995
+_EFFECTIVE = 2.0         # a decayed count's effective sample size, per unit of its sum
+_IN_FLIGHT_Z = 2.0       # c_draft is its slope less this many standard errors
 
 
 @dataclass(frozen=True)
@@ -167,6 +184,68 @@ class _Average:
         return default if self.value is None else self.value
 
 
+class DraftsInFlightCost:
+    """c_draft: the slope of a round's coordination against the drafts in flight.
+
+    Each round's coordination and drafts in flight are taken as deviations from their recent
+    means over the rounds of its kind (with a draft call or without: a draft call comes with
+    drafts, and its hop must not pass for theirs), so that a level that drifts with the load
+    does not pass for a slope either. The slope b = sum w dD dC / sum w dD^2 is lowered by
+    two standard errors: where the drafts in flight hardly varied (the controller held k, or
+    few rounds were seen) a slope of the noise's making would price every draft higher and
+    stop drafting that pays, so c_draft = max(b - 2 se(b), 0). The weights' effective sample
+    size is twice their sum (as in router/goodput.py), so se(b)^2 = residual variance /
+    (2 sum w dD^2).
+
+    Why coordination and not the whole round beyond the pass models' prediction: regressed
+    on the drafts in flight, that residual gave 2-4 ms a draft at 8-32 clients on the default
+    cluster (2026-12-06), which would have made greedy drafting at 16 clients cost three
+    times the round it was measured to speed up by 4 %: a round's engine time beyond the
+    prediction moves with where the sequences are in their requests, not only with their
+    drafts."""
+
+    def __init__(self):
+        self._means: dict[bool, list[float]] = {}    # per kind of round: [mean D, mean C, rounds]
+        self._cross = 0.0      # sum w (D - mean D)(C - mean C)
+        self._spread = 0.0     # sum w (D - mean D)^2
+        self._square = 0.0     # sum w (C - mean C)^2
+        self._weight = 0.0
+        self.rounds = 0
+
+    def observe(self, draft_call: bool, drafts_in_flight: float, coordination_ms: float) -> None:
+        means = self._means.setdefault(draft_call, [drafts_in_flight, coordination_ms, 0])
+        d, c = drafts_in_flight - means[0], coordination_ms - means[1]
+        self._cross = _IN_FLIGHT_FORGET * self._cross + d * c
+        self._spread = _IN_FLIGHT_FORGET * self._spread + d * d
+        self._square = _IN_FLIGHT_FORGET * self._square + c * c
+        self._weight = _IN_FLIGHT_FORGET * self._weight + 1.0
+        # plain means over a kind's first rounds, then forgetting: a mean that started at the
+        # first round and moved from it slowly would make every later round deviate alike
+        means[2] += 1
+        step = max(1 / means[2], _IN_FLIGHT_MEANS)
+        means[0] += step * d
+        means[1] += step * c
+        self.rounds += 1
+
+    def slope(self) -> tuple[float, float]:
+        """b and se(b) (0 and infinity before the drafts in flight varied)."""
+        if self._spread <= 0 or self._weight <= 2:
+            return 0.0, math.inf
+        slope = self._cross / self._spread
+        residual = max(self._square - slope * self._cross, 0.0) / self._weight
+        return slope, math.sqrt(residual / (_EFFECTIVE * self._spread))
+
+    @property
+    def ms(self) -> float:
+        slope, error = self.slope()
+        return max(slope - _IN_FLIGHT_Z * error, 0.0)
+
+    def describe(self) -> dict:
+        slope, error = self.slope()
+        return {"ms": round(self.ms, 4), "slope_ms": round(slope, 4),
+                "standard_error_ms": round(error, 4) if math.isfinite(error) else None, "rounds": self.rounds}
+
+
 @dataclass
 class RoundCosts:
     """Everything a round's time is made of: the target's and the draft pool's passes, and
@@ -175,33 +254,48 @@ class RoundCosts:
     draft: PassCost = field(default_factory=PassCost)
     coordination: dict[bool, _Average] = field(default_factory=lambda: {True: _Average(_COORDINATION_EMA),
                                                                          False: _Average(_COORDINATION_EMA)})
+    in_flight: DraftsInFlightCost = field(default_factory=DraftsInFlightCost)
+    drafts_in_flight: dict[bool, _Average] = field(default_factory=lambda: {True: _Average(_COORDINATION_EMA),
+                                                                             False: _Average(_COORDINATION_EMA)})
     round_error: _Average = field(default_factory=lambda: _Average(_COORDINATION_EMA))
     measured_round: _Average = field(default_factory=lambda: _Average(_COORDINATION_EMA))
     predicted_round: _Average = field(default_factory=lambda: _Average(_COORDINATION_EMA))
 
     def observe_round(self, draft_call: bool, wall_ms: float, engine_ms: float,
-                      predicted_ms: float | None = None) -> None:
-        self.coordination[draft_call].add(max(wall_ms - engine_ms, 0.0))
+                      predicted_ms: float | None = None, drafts_in_flight: float = 0.0) -> None:
+        """engine_ms: the round's calls' engine time, with their queueing behind other batches
+        (those batches' engine time)."""
+        coordination = max(wall_ms - engine_ms, 0.0)
+        self.coordination[draft_call].add(coordination)
+        self.drafts_in_flight[draft_call].add(drafts_in_flight)
+        self.in_flight.observe(draft_call, drafts_in_flight, coordination)
         if predicted_ms and wall_ms > 0:
             self.round_error.add(abs(_log(wall_ms / predicted_ms)))
             self.measured_round.add(wall_ms)
             self.predicted_round.add(predicted_ms)
 
     def coordination_ms(self, draft_call: bool) -> float:
-        """Until both kinds of round were seen, one stands in for the other (a draft hop
-        about doubles a round's hops)."""
-        seen = self.coordination[draft_call].value
+        """C(d): a round's coordination with no drafts in flight. Until both kinds of round
+        were seen, one stands in for the other (a draft hop about doubles a round's hops)."""
+        seen = self._without_drafts(draft_call)
         if seen is not None:
             return seen
-        other = self.coordination[not draft_call].value
+        other = self._without_drafts(not draft_call)
         if other is None:
             return _DEFAULT_COORDINATION_MS * (2 if draft_call else 1)
         return other * 2 if draft_call else other / 2
+
+    def _without_drafts(self, draft_call: bool) -> float | None:
+        seen = self.coordination[draft_call].value
+        if seen is None:
+            return None
+        return max(seen - self.in_flight.ms * self.drafts_in_flight[draft_call].get(0.0), 0.0)
 
     def describe(self) -> dict:
         return {"target_pass": self.target.describe(), "draft_pass": self.draft.describe(),
                 "coordination_ms": {"with_draft_call": _rounded(self.coordination[True].value),
                                     "without": _rounded(self.coordination[False].value)},
+                "draft_in_flight": self.in_flight.describe(),
                 "round_mean_abs_log_error": _rounded(self.round_error.value)}
 
     def round_ms(self) -> dict:

@@ -18,9 +18,10 @@ Terms (a router's sequences verify together: the target pool batches their calls
 - steps S: forward passes a verify call runs: the window's, then S - 1 single-token steps on
   every row (the target alone's next tokens). Every row of the batch takes the same S: the
   batch waits for its longest call, so a row that stopped early would only wait.
-- round time T (ms, router/cost_model.py): coordination C(d) (d: whether the round makes a
-  draft call) + the window's pass over R rows and sum(k_i + 1) positions + S - 1 passes of
-  R single positions + the draft pool's k_max passes where d.
+- round time T (ms, router/cost_model.py): coordination C(d) + c_draft sum(k_i) (d: whether
+  the round makes a draft call; c_draft: what a draft adds to a round's coordination, fitted
+  from the rounds' times) + the window's pass over R rows and sum(k_i + 1) positions + S - 1
+  passes of R single positions + the draft pool's k_max passes where d.
 - goodput G = (sum_i E_i(k_i) + R (S - 1)) / T: tokens per ms of the whole batch.
 
 The choice maximises G over every k_i, S and d. T is linear in the k_i (each draft adds its
@@ -117,6 +118,7 @@ class _Sequence:
     context: int = 0
     offer: Offer = Offer()            # its last round's: what the next plan prices it with
     chosen: tuple[str, int, tuple[float, ...]] | None = None   # this round's source, k, P(draft j kept)
+    drafts: int = 0                # its latest round's drafts, in flight until its next round
 
 
 @dataclass
@@ -153,6 +155,7 @@ class GoodputController:
         self.load_changes = 0
         self.rounds_to_settle: deque[int] = deque(maxlen=8)
         self._settling = False
+        self._drafts_in_flight = 0     # every sequence's latest round's drafts (router/cost_model.py)
 
     # sequences ---------------------------------------------------------------------------
 
@@ -162,7 +165,9 @@ class GoodputController:
                                             self._arrivals, sampled)
 
     def end(self, seq_id: str) -> None:
-        self._sequences.pop(seq_id, None)
+        seq = self._sequences.pop(seq_id, None)
+        if seq is not None:
+            self._drafts_in_flight -= seq.drafts
 
     @property
     def in_flight(self) -> int:
@@ -276,11 +281,12 @@ class GoodputController:
         return plan.rate * (1 + self.margin())
 
     def _draft_ms(self, context: int, pool: bool) -> float:
-        """ms one more draft adds to a round: its position in the target's window pass, and for
+        """ms one more draft adds to a round: its position in the target's window pass, for
         a pool draft one row of one of the draft pool's passes with its share of the pass's
-        fixed cost."""
+        fixed cost, and what a draft in flight adds to the round's coordination (c_draft,
+        router/cost_model.py)."""
         target = self.costs.target.theta
-        ms = max(target[2], 0.0) + max(target[3], 0.0) * context / 1000
+        ms = self.costs.in_flight.ms + max(target[2], 0.0) + max(target[3], 0.0) * context / 1000
         if pool:
             draft = self.costs.draft.theta
             rows = max(self.in_flight, 1)
@@ -348,6 +354,9 @@ class GoodputController:
         """A round of seq_id verified `drafted` drafts from `source` and kept `accepted`."""
         self._rounds_since_plan += 1
         seq = self._sequences.get(seq_id)
+        if seq is not None:
+            self._drafts_in_flight += drafted - seq.drafts
+            seq.drafts = drafted
         if seq is not None and seq.chosen is not None and seq.chosen[:2] == (source, drafted):
             self._calibration.setdefault((source, seq.sampled), GainCalibration(self.max_k)).observe(
                 list(seq.chosen[2]), accepted)
@@ -360,7 +369,9 @@ class GoodputController:
             keep.observe(drafted if each == source else 0, accepted)
 
     def observe_timing(self, draft_call: bool, wall_ms: float, engine_ms: float, predicted_ms: float | None) -> None:
-        self.costs.observe_round(draft_call, wall_ms, engine_ms, predicted_ms)
+        """A round's wall time at the router and its calls' engine time, after observe_round
+        (which counted its drafts among those in flight)."""
+        self.costs.observe_round(draft_call, wall_ms, engine_ms, predicted_ms, self._drafts_in_flight)
 
     def observe_passes(self, pool: str, batch_id: str, passes) -> None:
         """A pool's batch, reported with every row it answered: counted once."""

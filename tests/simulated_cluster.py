@@ -26,6 +26,9 @@ class Hardware:
     draft_per_row_ms: float
     coordination_ms: float          # a round without a draft call
     draft_hop_ms: float             # what a draft call adds to it
+    # what each draft in flight adds to a round outside every pass (transport, the router's
+    # work, contention for the cores): no pass reports it, only the rounds' times show it
+    hidden_per_draft_ms: float = 0.0
 
     def target_ms(self, rows: int, positions: int) -> float:
         return self.target_fixed_ms + self.target_per_row_ms * rows + self.target_per_position_ms * positions
@@ -110,7 +113,8 @@ class Simulation:
         target_passes = [(rows, positions, 0.0, self._noisy(self.hardware.target_ms(rows, positions)))]
         target_passes += [(rows, rows, 0.0, self._noisy(self.hardware.target_ms(rows, rows))) for _ in range(steps - 1)]
         draft_call = bool(pool_ks)
-        coordination = self._noisy(self.hardware.coordination_ms + (self.hardware.draft_hop_ms if draft_call else 0))
+        coordination = self._noisy(self.hardware.coordination_ms + (self.hardware.draft_hop_ms if draft_call else 0)
+                                   + self.hardware.hidden_per_draft_ms * sum(c.k for c in choices.values()))
         engine = sum(p[3] for p in target_passes) + sum(p[3] for p in draft_passes)
         wall = coordination + engine
         batch = str(next(self._batches))
@@ -145,6 +149,7 @@ def expected_goodput(hardware: Hardware, keeps: list[float], ks: list[int], step
     draft_call = pool and any(ks)
     draft = sum(hardware.draft_ms(sum(k >= s for k in ks)) for s in range(1, max(ks) + 1)) if draft_call else 0.0
     ms = (hardware.coordination_ms + (hardware.draft_hop_ms if draft_call else 0.0) + draft
+          + hardware.hidden_per_draft_ms * sum(ks)
           + hardware.target_ms(rows, sum(k + 1 for k in ks)) + (steps - 1) * hardware.target_ms(rows, rows))
     return tokens / ms
 

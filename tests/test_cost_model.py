@@ -72,3 +72,29 @@ def test_coordination_is_a_rounds_time_beyond_its_engine_time_by_kind():
         costs.observe_round(True, 20.0, 15.0, predicted_ms=20.0)
     assert costs.coordination_ms(True) == pytest.approx(5.0)
     assert costs.round_ms() == {"predicted": 20.0, "measured": 20.0}
+
+
+def _rounds_with_drafts_in_flight(per_draft_ms: float, seed: int, rounds: int = 3000) -> RoundCosts:
+    """Rounds whose coordination is 3 ms plus per_draft_ms a draft in flight (a cost no pass
+    shows), with 20 % noise, while a level that has nothing to do with the drafts (the load
+    changing) drifts from 0 to 10 ms over the run and the drafts in flight from about 10 to
+    30 with it."""
+    costs = RoundCosts()
+    rng = random.Random(seed)
+    for r in range(rounds):
+        drift = r / rounds
+        drafts = max(0, round(rng.gauss(10 + 20 * drift, 4)))
+        coordination = (3.0 + per_draft_ms * drafts) * rng.lognormvariate(0, 0.2) + 10 * drift
+        costs.observe_round(False, 40.0 + coordination, 40.0, drafts_in_flight=drafts)
+    return costs
+
+
+def test_what_a_draft_in_flight_adds_to_a_rounds_coordination_is_fitted_from_the_rounds():
+    assert RoundCosts().in_flight.ms == 0.0          # before any round: the passes' price alone
+    costs = _rounds_with_drafts_in_flight(0.5, seed=3)
+    assert costs.in_flight.ms == pytest.approx(0.5, rel=0.2)
+    # C(d) is a round's coordination with no drafts in flight: 3 ms and the drift's 10
+    assert costs.coordination_ms(False) == pytest.approx(13.0, rel=0.2)
+    assert _rounds_with_drafts_in_flight(1.2, seed=4).in_flight.ms == pytest.approx(1.2, rel=0.2)
+    # a level that drifts as the drafts do is not taken for their cost
+    assert _rounds_with_drafts_in_flight(0.0, seed=5).in_flight.ms < 0.1
