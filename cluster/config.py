@@ -65,6 +65,15 @@ class ModelSpec(Strict):
         None, strict=False, description="Folder of inductor's on-disk cache of compiled code and of the fused "
                                         "CPU forward's library (relative to cluster.yaml), kept across restarts; "
                                         "default inductor's own (/tmp/torchinductor_$USER) and the temp folder.")
+    row_block: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="A target in bfloat16 or float16 on the eager forward computes its linears, norms and "
+                            "output layer this many rows at a time, zero-padded, so that a GPU's matrix library sums "
+                            "every position the same way whatever the call's shape (batch-invariant: "
+                            "replicas/engines/huggingface/llama_forward.py, RowBlockLinear); the invariance probe at "
+                            "start still decides whether it runs so. 'auto': 128 for such a target on a GPU, none "
+                            "elsewhere (on a CPU oneDNN's kernels pass the probe without). 0: none. Not applied with "
+                            "compile: on, to a tensor-parallel target or to a draft (a draft's rounding moves no "
+                            "output).")
     placeholder: Literal["target", "draft"] | None = Field(
         None, description="If the folder is missing, build an UNTRAINED random placeholder model of "
                           "this role there (for a first start before real weights exist).")

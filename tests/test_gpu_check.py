@@ -33,7 +33,11 @@ def test_gpu_check_runs_with_torch_and_transformers_alone():
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["greedy"]["ok"] and report["sampled"]["ok"], report
     assert report["devices"] == {"ok": True, "auto_outside_ray": "cpu", "auto_without_a_reserved_gpu": "cpu"}
-    assert report["bfloat16"]["tokens_compared"] > 0 and "batch_invariant" in report["bfloat16"]
+    bfloat16 = report["bfloat16"]
+    assert [bfloat16[each]["row_block"] for each in ("row_blocks", "plain")] == [128, None]
+    assert all(bfloat16[each]["tokens_compared"] > 0 for each in ("row_blocks", "plain"))
+    assert bfloat16["ok"] is (bfloat16["row_blocks"]["batch_invariant"]
+                              and bfloat16["row_blocks"]["tokens_after_a_difference"] == 0)
     assert report["loaded"] == []
 
 

@@ -101,10 +101,10 @@ def test_a_target_failing_the_check_runs_in_float32_with_a_warning_its_first_cop
         probed.append(weakref.ref(runner.model))
         return False
 
-    def loads(spec, pool, max_seq_len):
+    def loads(spec, pool, max_seq_len, role):
         if spec.dtype == "float32":     # the reload: the bfloat16 weights must be gone by now
             alive_at_reload.append(probed[0]() is not None)
-        return load(spec, pool, max_seq_len)
+        return load(spec, pool, max_seq_len, role)
 
     monkeypatch.setattr("replicas.engines.huggingface.invariance.batch_invariant", fails)
     monkeypatch.setattr(huggingface, "_runner", loads)

@@ -10,8 +10,9 @@ after it is recorded as skipped) and a hard --deadline-s (a part running then is
    engines, eager and compiled (`models.*.compile: on`), equals Hugging Face's greedy
    generate() of the target alone for k 1, 3 and 5; sampled speculation's first two tokens
    fit the target's exact joint distribution (chi-square at 0.1 %; the reference is a plain
-   softmax of full forward passes, temperature 1). In bfloat16: whether the target passes
-   the start-up invariance probe here (else replicas run it in float32), and how many greedy
+   softmax of full forward passes, temperature 1). In bfloat16, without row blocks and with
+   the ones a replica takes here (`models.target.row_block: auto`): whether the target passes
+   the start-up invariance probe (else replicas run it in float32), and how many greedy
    tokens of speculation differ from the engine's own single steps.
 2. attention memory: the bfloat16 attention's peak over a 16 x 2,048-token prefill with an
    8 B model's heads, against its scores all at once.
@@ -49,11 +50,12 @@ def tiny_pair(device: torch.device, vocab: int, seed: int):
     return target.to(device), draft.to(device)
 
 
-def engines(target, draft, compiled: bool):
+def engines(target, draft, compiled: bool, row_block: int | None = None):
     from replicas.engines.huggingface import DraftEngine, TargetEngine
 
     return (DraftEngine.on_model(draft, max_cached_tokens=4000, max_seq_len=128, compiled=compiled),
-            TargetEngine.on_model(target, max_cached_tokens=4000, max_seq_len=128, compiled=compiled))
+            TargetEngine.on_model(target, max_cached_tokens=4000, max_seq_len=128, compiled=compiled,
+                                  row_block=row_block))
 
 
 def greedy_alone(target, prompt: list[int], max_tokens: int) -> list[int]:
@@ -137,11 +139,22 @@ def device_selection() -> dict:
 def bfloat16_exactness(device: torch.device, max_tokens: int = 64) -> dict:
     """Whether a bfloat16 target's forward passes the start-up invariance probe on this device
     (invariance.py: a failing target runs in float32), and how often greedy speculation's
-    tokens differ from the engine's own single steps (k 0), counted, whatever the probe said."""
+    tokens differ from the engine's own single steps (k 0), counted, whatever the probe said:
+    without row blocks, and in the row blocks a replica takes (llama_forward.RowBlockLinear;
+    on a CPU, where a replica takes none, the same block size, to run the path). What the
+    replicas run decides "ok"."""
+    from replicas.engines.huggingface import ROW_BLOCK
+
+    blocked = _bfloat16_differences(device, ROW_BLOCK, max_tokens)
+    return {"ok": blocked["batch_invariant"] and blocked["tokens_after_a_difference"] == 0,
+            "row_blocks": blocked, "plain": _bfloat16_differences(device, None, max_tokens)}
+
+
+def _bfloat16_differences(device: torch.device, row_block: int | None, max_tokens: int) -> dict:
     from replicas.engines.huggingface.invariance import batch_invariant
 
     target, draft = (model.to(torch.bfloat16) for model in tiny_pair(device, 64, seed=3))
-    drafter, verifier = engines(target, draft, compiled=False)
+    drafter, verifier = engines(target, draft, compiled=False, row_block=row_block)
     invariant = batch_invariant(verifier.runner)
     compared = differing = 0
     for k in (1, 3, 5):
@@ -150,7 +163,7 @@ def bfloat16_exactness(device: torch.device, max_tokens: int = 64) -> dict:
             speculated = speculate(drafter, verifier, prompt, k, f"k{k}-{i}", max_tokens)
             compared += len(alone)
             differing += next((len(alone) - j for j, (a, b) in enumerate(zip(alone, speculated)) if a != b), 0)
-    return {"ok": invariant and differing == 0, "batch_invariant": invariant, "tokens_compared": compared,
+    return {"row_block": row_block, "batch_invariant": invariant, "tokens_compared": compared,
             "tokens_after_a_difference": differing}
 
 

@@ -25,14 +25,14 @@ logger = logging.getLogger("ray.serve")
 
 def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig,
           max_seq_len: int) -> DraftEngine | TargetEngine:
-    runner = _runner(spec, pool, max_seq_len)
+    runner = _runner(spec, pool, max_seq_len, role)
     if role == "target" and not _exact(runner, pool):
         device = runner.device
         del runner                          # never two copies of the weights at once
         _collect(device)
-        runner = _runner(_float32(spec), pool, max_seq_len)
+        runner = _runner(_float32(spec), pool, max_seq_len, role)
     if _auto_may_take_float32(spec, pool, runner):
-        runner = _faster_of(runner, _runner(_float32(spec), pool, max_seq_len), pool.batching.max_batch_size)
+        runner = _faster_of(runner, _runner(_float32(spec), pool, max_seq_len, role), pool.batching.max_batch_size)
     return (DraftEngine if role == "draft" else TargetEngine)(runner, _grammar_masks(spec))
 
 
@@ -53,9 +53,10 @@ def _exact(runner: Runner, pool: TargetPoolConfig) -> bool:
 
     if batch_invariant(runner):
         return True
-    logger.warning("the target's %s forward is not batch-invariant on this machine (a verify's logits would "
-                   "differ from single steps, and speculation would change greedy output): it is loaded again "
-                   "in float32, after its %s weights are freed", runner.model.dtype, runner.model.dtype)
+    logger.warning("the target's %s forward (row blocks: %s) is not batch-invariant on this machine (a verify's "
+                   "logits would differ from single steps, and speculation would change greedy output): it is "
+                   "loaded again in float32, after its %s weights are freed", runner.model.dtype,
+                   getattr(runner.decoder, "row_block", None), runner.model.dtype)
     return False
 
 
@@ -88,7 +89,20 @@ def _float32(spec: ModelSpec) -> ModelSpec:
     return spec.model_copy(update={"dtype": "float32"})
 
 
-def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int) -> Runner:
+ROW_BLOCK = 128   # rows a GEMM for 'auto' (RowBlockLinear: padding a step's rows to it costs a GPU next to nothing)
+
+
+def row_block(spec: ModelSpec, role: str, model) -> int | None:
+    """The rows per GEMM of a target in reduced precision on the eager forward: spec.row_block,
+    'auto' on a GPU only (a CPU's oneDNN kernels pass the invariance probe without)."""
+    if role != "target" or spec.compile == "on" or model.dtype == torch.float32:
+        return None
+    if spec.row_block == "auto":
+        return ROW_BLOCK if model.device.type == "cuda" else None
+    return spec.row_block or None
+
+
+def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int, role: str) -> Runner:
     if pool.tp_size == 1:
         from replicas.engines.huggingface.loading import load_causal_lm
 
@@ -101,7 +115,8 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
         tokens = kv_cache_tokens(pool.kv_cache.max_tokens, model, model.device, pool.kv_cache.memory_fraction)
         return ModelRunner(model, tokens, max_seq_len, compiled=spec.compile == "on",
                            prefix_caching=pool.kv_cache.prefix_caching, fused_cpu=spec.compile == "auto",
-                           fused_cache_dir=spec.compile_cache_dir, prefill_chunk=pool.prefill_chunk_tokens)
+                           fused_cache_dir=spec.compile_cache_dir, prefill_chunk=pool.prefill_chunk_tokens,
+                           row_block=row_block(spec, role, model))
     from replicas.engines.huggingface.shard_group import launch_in_placement_group
 
     if spec.compile == "on":

@@ -63,10 +63,10 @@ class _Engine:
     @classmethod
     def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
                  compiled: bool = False, fused_cpu: bool = False, grammars: GrammarMasks | None = None,
-                 probs_top: int = DEFAULT_TOP):
+                 probs_top: int = DEFAULT_TOP, row_block: int | None = None):
         """The engine over one in-process model (tests, offline measurement)."""
-        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu), grammars,
-                   probs_top)
+        return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu,
+                               row_block=row_block), grammars, probs_top)
 
     def release(self, seq_id: str) -> None:
         """The sequence has finished (the router says so)."""

@@ -23,6 +23,11 @@ compares them):
 A linear with forward hooks (the all-reduce of a tensor-parallel shard,
 replicas/engines/huggingface/tensor_parallel.py) is called as a module so that its hook runs; the others as
 plain functions.
+
+Row blocks (`row_block`, a reduced-precision target on a GPU): every linear, norm and the
+output layer run over a fixed number of rows at a time (RowBlockLinear), so that a GPU's
+matrix library, which picks its kernel and its split of the sum by the matrix's shape, sums
+every position the same way in any call; the attention below is invariant by construction.
 """
 
 from __future__ import annotations
@@ -44,14 +49,24 @@ class LlamaForward:
     since the weights are arguments; the cache write and the window stay eager, in place in
     the preallocated slots. Not bitwise eager's: fused kernels round differently."""
 
-    def __init__(self, model: nn.Module, compiled: bool = False):
+    def __init__(self, model: nn.Module, compiled: bool = False, row_block: int | None = None):
+        """row_block: rows per GEMM and norm (RowBlockLinear); eager only, and not with a
+        tensor-parallel shard's hooked linears, whose all-reduce sums shards in an order of its own."""
         if not self.supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama decoder")
         self.decoder = model.get_decoder()
-        self.layers = [_Layer(layer, compiled) for layer in self.decoder.layers]
+        if row_block and compiled:
+            raise ValueError("row blocks are an eager forward's: compiled kernels fuse the rows as they like")
+        self.layers = [_Layer(layer, compiled, row_block) for layer in self.decoder.layers]
         if compiled and any(layer.hooked for layer in self.layers):
             raise ValueError("a tensor-parallel shard's linears all-reduce in hooks: it runs eager")
+        if row_block and any(layer.hooked for layer in self.layers):
+            raise ValueError("row blocks do not apply to a tensor-parallel shard: its all-reduce is not blocked")
         self.steps = _compiled_steps() if compiled else (_inputs, None)
+        self.row_block = row_block
+        self.final_norm = _norm(self.decoder.norm, row_block)
+        # ModelRunner takes the output layer from here where it is set (the fused forward's way)
+        self.logits = RowBlockLinear(_linear(model.get_output_embeddings()), row_block) if row_block else None
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -70,16 +85,24 @@ class LlamaForward:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, mask, window, index, *self.steps)
-        return _rms_norm(hidden, *_norm(self.decoder.norm))
+        return _rms_norm(hidden, *self.final_norm)
 
 
 class _Layer:
-    def __init__(self, layer: LlamaDecoderLayer, compiled: bool):
+    def __init__(self, layer: LlamaDecoderLayer, compiled: bool, row_block: int | None = None):
         attention, mlp = layer.self_attn, layer.mlp
-        self.input_norm, self.post_attention_norm = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.input_norm = _norm(layer.input_layernorm, row_block)
+        self.post_attention_norm = _norm(layer.post_attention_layernorm, row_block)
         # compiled: the weights as tensors, arguments of graphs every layer shares; eager:
         # callables, the module itself where a tensor-parallel shard all-reduces its output in a hook
-        linear = _weights if compiled else _linear
+        if compiled:
+            linear = _weights
+        elif row_block:
+            def linear(module):
+                inner = _linear(module)
+                return inner if inner is module else RowBlockLinear(inner, row_block)
+        else:
+            linear = _linear
         self.q, self.k, self.v = linear(attention.q_proj), linear(attention.k_proj), linear(attention.v_proj)
         self.gate, self.up = linear(mlp.gate_proj), linear(mlp.up_proj)
         self.o, self.down = linear(attention.o_proj), linear(mlp.down_proj)
@@ -232,8 +255,10 @@ def _weights(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
 
-def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
-    return norm.weight.detach(), norm.variance_epsilon
+def _norm(norm: nn.Module, row_block: int | None = None) -> tuple:
+    """(weight, eps) for _rms_norm, and the row block where there is one."""
+    weight = norm.weight.detach()
+    return (weight, norm.variance_epsilon) if not row_block else (weight, norm.variance_epsilon, row_block)
 
 
 def _linear(module: nn.Linear):
@@ -246,7 +271,42 @@ def _linear(module: nn.Linear):
     weight, bias = _weights(module)
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bfloat16():
         return PrepackedLinear(weight, bias)
-    return lambda x: F.linear(x, weight, bias)
+    return lambda x: _gemm(x, weight, bias)
+
+
+_gemm = F.linear      # the plain linear's kernel: a module global, so a test can give it a GPU library's habits
+
+
+class RowBlockLinear:
+    """A linear computed `block` rows at a time (all dimensions but the last are rows), the last
+    block zero-padded: every matrix product it makes has the same shape [block, in].
+
+    Why: a GPU's matrix library chooses its kernel by the matrix's shape, and for few rows it
+    splits the sum over the input features into partial sums (split-K) to fill the device; in
+    bfloat16 a different split moves a result by an ulp (0.4 %), so a position's logits would
+    depend on how many rows the call has, a verify would disagree with the target alone's single
+    steps, and greedy speculation would change the output. With one shape, one kernel sums
+    every row the same way in any call (Thinking Machines' batch-invariant kernels, 2025, fix
+    the reduction order inside the kernel instead; that needs Triton). Padding is the cost: a
+    step of 8 rows computes `block` rows, which on a GPU up to a few hundred rows takes the time
+    of reading the weights, the same as 8; a prefill of 2,048 positions reads the weights
+    2,048 / block times instead of once. Expected, not measured: no GPU has run this yet."""
+
+    def __init__(self, linear, block: int):
+        self.linear, self.block = linear, block
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _in_row_blocks(self.linear, x, self.block)
+
+
+def _in_row_blocks(fn, x: torch.Tensor, block: int) -> torch.Tensor:
+    """fn over x's rows, `block` rows a call (the last zero-padded), the outputs in x's order."""
+    flat = x.reshape(-1, x.shape[-1])
+    count = flat.shape[0]
+    if count % block:
+        flat = F.pad(flat, (0, 0, 0, block - count % block))
+    out = torch.cat([fn(part) for part in flat.split(block)]) if flat.shape[0] > block else fn(flat)
+    return out[:count].reshape(*x.shape[:-1], out.shape[-1])
 
 
 class PrepackedLinear:
@@ -269,7 +329,11 @@ def _project(x: torch.Tensor, linear) -> torch.Tensor:
     return linear(x) if callable(linear) else F.linear(x, *linear)
 
 
-def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float, row_block: int | None = None) -> torch.Tensor:
+    """transformers' RMSNorm; in row blocks where given (a GPU's reduction kernel, like its
+    GEMM, splits a row's sum by how many rows there are)."""
+    if row_block:
+        return _in_row_blocks(lambda part: _rms_norm(part, weight, eps), hidden, row_block)
     as_float = hidden.to(torch.float32)
     variance = as_float.pow(2).mean(-1, keepdim=True)
     return weight * (as_float * torch.rsqrt(variance + eps)).to(hidden.dtype)

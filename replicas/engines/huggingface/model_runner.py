@@ -59,7 +59,8 @@ class Extension:
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
                  lean: bool = True, compiled: bool = False, prefix_caching: bool = True,
-                 fused_cpu: bool = False, fused_cache_dir: Path | None = None, prefill_chunk: int | None = None):
+                 fused_cpu: bool = False, fused_cache_dir: Path | None = None, prefill_chunk: int | None = None,
+                 row_block: int | None = None):
         """lean: run a plain Llama decoder through LlamaForward (the same arithmetic with far
         less Python per call); other models, or lean=False, run through their own modules.
         prefix_caching: a new sequence takes the longest prefix of its tokens that any cached
@@ -70,10 +71,13 @@ class ModelRunner:
         library built into fused_cache_dir), eager where that does not apply or cannot be built.
         prefill_chunk: the most new positions a sequence computes in one forward pass; a longer
         prefill runs in chunks of it (chunked prefill), each extending the cache the next one
-        reuses, so a long prompt's activations stay bounded. None: whole."""
+        reuses, so a long prompt's activations stay bounded. None: whole.
+        row_block: LlamaForward's linears and norms this many rows at a time (RowBlockLinear: a
+        GPU's kernels then sum every position the same way in any call). None: whole."""
         _check_plain_output_layer(model.config)
         self.model = model
-        self.decoder = LlamaForward(model) if lean and LlamaForward.supports(model) else self._module_decoder
+        self.decoder = (LlamaForward(model, row_block=row_block) if lean and LlamaForward.supports(model)
+                        else self._module_decoder)
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.pad_id = model.config.pad_token_id or 0
