@@ -150,11 +150,12 @@ class GainCalibration:
     forgetting. A position's share is at most 1 and at most the share before it: the
     optimism in each chance compounds down the window."""
 
-    __slots__ = ("expected", "kept")
+    __slots__ = ("expected", "kept", "_shares")
 
     def __init__(self, max_k: int):
         self.expected = [_CALIBRATION_PRIOR] * (max_k + 1)
         self.kept = [_CALIBRATION_PRIOR] * (max_k + 1)
+        self._shares: list[float] | None = None     # shares() until the next observe
 
     def observe(self, expected: list[float], accepted: int) -> None:
         """A chosen round: P(draft j kept) for its drafts j = 1..k as expected, and the drafts
@@ -166,14 +167,17 @@ class GainCalibration:
             drafted = j <= len(expected)
             self.expected[j] = _CALIBRATION_DECAY * self.expected[j] + refill + (expected[j - 1] if drafted else 0.0)
             self.kept[j] = _CALIBRATION_DECAY * self.kept[j] + refill + (drafted and accepted >= j)
+        self._shares = None
 
     def shares(self) -> list[float]:
         """s_1..s_max_k: the share of its expected kept drafts position j kept."""
-        out, before = [], 1.0
-        for j in range(1, len(self.expected)):
-            before = min(before, self.kept[j] / self.expected[j])
-            out.append(before)
-        return out
+        if self._shares is None:
+            out, before = [], 1.0
+            for j in range(1, len(self.expected)):
+                before = min(before, self.kept[j] / self.expected[j])
+                out.append(before)
+            self._shares = out
+        return self._shares
 
 
 def _count(looked: list[float], kept: list[float], drafted: int, accepted: int) -> None:

@@ -112,6 +112,8 @@ class Plan:
 
 @dataclass
 class _Sequence:
+    # its own keep chances per source, made at the source's first use: one never drafted from
+    # holds no evidence, which is what decaying a fresh one's zeros would leave
     keep: dict[str, SequenceKeep]
     index: int = 0                 # its order of arrival at this router
     sampled: bool = False          # its keep chances pool with the other sampled sequences'
@@ -156,13 +158,15 @@ class GoodputController:
         self.rounds_to_settle: deque[int] = deque(maxlen=8)
         self._settling = False
         self._drafts_in_flight = 0     # every sequence's latest round's drafts (router/cost_model.py)
+        # What every sequence's round prices with, worked out once per plan: the router does
+        # this work between a batch's rounds, so its microseconds a sequence delay the batch
+        self._per_plan: dict[tuple, object] = {}
 
     # sequences ---------------------------------------------------------------------------
 
     def begin(self, seq_id: str, sampled: bool = False) -> None:
         self._arrivals += 1
-        self._sequences[seq_id] = _Sequence({source: SequenceKeep(self.max_k) for source in (POOL, *LOOKUP_SOURCES)},
-                                            self._arrivals, sampled)
+        self._sequences[seq_id] = _Sequence({}, self._arrivals, sampled)
 
     def end(self, seq_id: str) -> None:
         seq = self._sequences.pop(seq_id, None)
@@ -185,11 +189,21 @@ class GoodputController:
         seq = self._sequence(seq_id)
         if self._explores(plan, seq) or self.min_k > 0:
             return True
-        keep = seq.keep[source]
-        best = max((keep.first_chance(pooled.optimistic()[0]) for (each, sampled, _), pooled in self._pooled.items()
-                    if each == source and sampled == seq.sampled), default=keep.first_chance(1.0))
-        first = best * self._kept_shares(source, seq.sampled)[0]
-        return first > self._draft_price(plan) * self._draft_ms(context, source == POOL)
+        first = self._keep(seq, source).first_chance(self._best_first_prior(source, seq.sampled))
+        return first * self._kept_shares(source, seq.sampled)[0] > \
+            self._draft_price(plan) * self._draft_ms(context, source == POOL)
+
+    def _best_first_prior(self, source: str, sampled: bool) -> float:
+        """The highest optimistic first chance of the source's pooled chances over the match
+        lengths (1 before any were seen): a sequence's first chance rises with its prior, so
+        this prior gives its best one. Once per plan."""
+        key = ("first", source, sampled)
+        best = self._per_plan.get(key)
+        if best is None:
+            best = self._per_plan[key] = max((pooled.optimistic()[0] for (each, pooled_sampled, _), pooled
+                                              in self._pooled.items() if each == source and pooled_sampled == sampled),
+                                             default=1.0)
+        return best
 
     def choose(self, seq_id: str, offer: Offer, context: int, cap: int, method: str = "") -> Choice:
         """This round's drafts for seq_id: source, k (within `cap`, the drafts the request's
@@ -200,8 +214,8 @@ class GoodputController:
         explores = self._explores(plan, seq)
         if offer.pool and not offer.lookup and not explores and not self.may_draft(seq_id, POOL, context):
             offer = seq.offer = Offer()       # a pool draft cannot pay: nothing to price
-        best = max(self._options(seq, offer, plan.draft_call, cap),
-                   key=lambda o: o.gain - self._draft_price(plan) * o.cost)
+        price = self._draft_price(plan)
+        best = max(self._options(seq, offer, plan.draft_call, cap), key=lambda o: o.gain - price * o.cost)
         if best.k < self.min_k or (explores and best.k == 0):
             best = self._forced(seq, offer, cap, max(self.min_k, _EXPLORE_K)) or best
         steps = max(1, min(plan.steps, cap + 1 - best.k))
@@ -262,7 +276,7 @@ class GoodputController:
 
     def _curve(self, seq: _Sequence, source: str, match: int, limit: int) -> list[float]:
         prior = self._pooled_chances(source, match, seq.sampled).optimistic()[:limit]
-        return expected_curve(seq.keep[source].chances(prior))
+        return expected_curve(self._keep(seq, source).chances(prior))
 
     def margin(self) -> float:
         """How much more a draft must buy than its predicted time is worth: the controller's
@@ -284,15 +298,18 @@ class GoodputController:
         """ms one more draft adds to a round: its position in the target's window pass, for
         a pool draft one row of one of the draft pool's passes with its share of the pass's
         fixed cost, and what a draft in flight adds to the round's coordination (c_draft,
-        router/cost_model.py)."""
-        target = self.costs.target.theta
-        ms = self.costs.in_flight.ms + max(target[2], 0.0) + max(target[3], 0.0) * context / 1000
-        if pool:
-            draft = self.costs.draft.theta
-            rows = max(self.in_flight, 1)
-            ms += max(draft[0], 0.0) / rows + max(draft[1], 0.0) + max(draft[2], 0.0) + \
-                max(draft[3], 0.0) * context / 1000
-        return ms
+        router/cost_model.py). Its terms once per plan."""
+        key = ("draft_ms", pool)
+        terms = self._per_plan.get(key)
+        if terms is None:
+            target = self.costs.target.theta
+            fixed, per_kilo_context = self.costs.in_flight.ms + max(target[2], 0.0), max(target[3], 0.0)
+            if pool:
+                draft = self.costs.draft.theta
+                fixed += max(draft[0], 0.0) / max(self.in_flight, 1) + max(draft[1], 0.0) + max(draft[2], 0.0)
+                per_kilo_context += max(draft[3], 0.0)
+            terms = self._per_plan[key] = (fixed, per_kilo_context)
+        return terms[0] + terms[1] * context / 1000
 
     # plans -----------------------------------------------------------------------------------
 
@@ -302,6 +319,7 @@ class GoodputController:
         rows = max(self.in_flight, 1)
         plan = self._plan
         if plan is None or plan.rows != rows or self._rounds_since_plan >= rows:
+            self._per_plan = {}
             plan = self._plan = self._make_plan(rows, plan.rate if plan is not None else None)
             self._rounds_since_plan = 0
             self._note_plan(plan)
@@ -365,6 +383,8 @@ class GoodputController:
         if seq is None:
             return
         seq.chosen = None
+        if drafted and source is not None:
+            self._keep(seq, source)
         for each, keep in seq.keep.items():
             keep.observe(drafted if each == source else 0, accepted)
 
@@ -402,6 +422,12 @@ class GoodputController:
         keep = self._pooled.get((source, sampled, bucket))
         if keep is None:
             keep = self._pooled[(source, sampled, bucket)] = KeepChances(self.max_k)
+        return keep
+
+    def _keep(self, seq: _Sequence, source: str) -> SequenceKeep:
+        keep = seq.keep.get(source)
+        if keep is None:
+            keep = seq.keep[source] = SequenceKeep(self.max_k)
         return keep
 
     def _sequence(self, seq_id: str) -> _Sequence:
