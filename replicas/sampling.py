@@ -70,14 +70,26 @@ def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+_NUCLEUS_TOP = 64      # the most likely tokens looked at before sorting a whole row
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise."""
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    dropped = mass_before >= top_p
-    dropped[..., 0] = False   # the most likely token stays, however small top_p is
-    sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, and every token
+    as likely as the least likely of them; renormalise. The set: in descending order, each
+    token whose mass before it is below top_p (the most likely always). Taking every token
+    tied with its last one makes the set a function of the probabilities alone, not of the
+    order a sort gives tied ones, so a row's nucleus is the same warped alone or among other
+    rows. Found among the _NUCLEUS_TOP most likely tokens where it lies there (a top-k of
+    them cost 16 us over 8 rows of 512 here, a full sort 115 us, 2026-12-07); else a sort."""
+    width = min(probs.shape[-1], _NUCLEUS_TOP)
+    top = torch.topk(probs, width, dim=-1).values                       # [..., width], descending
+    mass_before = torch.cumsum(top, dim=-1) - top
+    if width < probs.shape[-1] and not bool((mass_before[..., -1] >= top_p).all()):
+        top = torch.sort(probs, dim=-1, descending=True).values
+        mass_before = torch.cumsum(top, dim=-1) - top
+    inside = (mass_before < top_p).sum(-1, keepdim=True).clamp(min=1)  # the set's size in that order
+    threshold = top.gather(-1, inside - 1)                              # its least likely token's p
+    kept = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
@@ -85,6 +97,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """probs [V] -> one token id."""
     check_finite(probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """probs [B, V] (each with mass) -> one token id per row [B], on their device: the first
+    token whose cumulative probability exceeds u times the row's mass, u uniform from the row's
+    own generator (inverse-CDF sampling: one draw a row, the rows' search in one call; a
+    multinomial call a row cost about 26 us here). A token of probability 0 is never drawn:
+    its cumulative sum equals the one before it."""
+    cumulative = torch.cumsum(probs.float(), dim=-1)                                   # [B, V]
+    total = cumulative[:, -1:]
+    u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])[:, None]
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))   # below the mass
+    return torch.searchsorted(cumulative, point, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def sampleable(probs: torch.Tensor) -> torch.Tensor:
