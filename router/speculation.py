@@ -278,6 +278,9 @@ class SpeculationLoop:
         self._anchors_task: asyncio.Task | None = None
         self._anchored: set[str] = set()  # pools whose start-up passes the controller has
         self._running: set[str] = set()
+        # sequences that called the draft pool: only their caches there need releasing (a
+        # release is a handle call, about as much of the router's time as a round's choice)
+        self._on_draft_pool: set[str] = set()
 
     @property
     def call_paths(self):
@@ -320,7 +323,8 @@ class SpeculationLoop:
             self.control.end(seq_id)
             self.gatherer.finish(lane, seq_id)
             self.client.retries.pop(seq_id, None)
-            self.client.release(lane, seq_id, "draft", "target")
+            self.client.release(lane, seq_id, *(("draft", "target") if seq_id in self._on_draft_pool else ("target",)))
+            self._on_draft_pool.discard(seq_id)
             if self.outputs is not None and not self.engine_rounds:
                 self.outputs.add(gen.prompt_ids, tokens[len(gen.prompt_ids):])
             if ahead.task is not None:   # it would cache the sequence again on the draft replica
@@ -359,7 +363,7 @@ class SpeculationLoop:
                      stats: SpeculationStats, ahead: _Ahead, grammar: GrammarFollower | None) -> Verification:
         started = time.perf_counter()
         cap = gen.max_tokens - (len(tokens) - len(gen.prompt_ids)) - 1   # a round yields up to k + steps tokens
-        if cap == 0 and gen.k > 0:
+        if cap == 0 and seq_id in self._on_draft_pool:
             # The last token needs no draft: free the draft pool's cache now.
             self.client.release(lane, seq_id, "draft")
         self._anchor_costs()
@@ -476,6 +480,7 @@ class SpeculationLoop:
             return _Drafted(choice.source, list(offer.lookup[:choice.k]), match=offer.match)
         started = time.perf_counter()
         try:
+            self._on_draft_pool.add(seq_id)
             proposal = await self.gatherer.call("draft", lane, seq_id, ProposeRequest(
                 seq_id, tokens, choice.k, gen.sampling, round_seed(gen.seed, round_index, "draft"),
                 noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids)))
@@ -523,6 +528,8 @@ class SpeculationLoop:
         request = ProposeRequest(seq_id, tokens + drafts, size + 1, gen.sampling,
                                  round_seed(gen.seed, round_index, "draft-ahead"), lookahead=True,
                                  noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids))
+
+        self._on_draft_pool.add(seq_id)
 
         async def look() -> Proposal | None:
             try:
