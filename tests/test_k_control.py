@@ -9,6 +9,7 @@ hardware) and within how many rounds."""
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from dataclasses import replace
 
@@ -261,3 +262,19 @@ def test_a_cost_each_draft_adds_outside_the_passes_is_measured_and_priced():
         learned.append(sim.controller.describe()["costs"]["draft_in_flight"]["ms"])
     assert statistics.mean(shares) >= 0.9, (shares, learned)
     assert all(0.1 <= ms <= 0.8 for ms in learned), learned
+
+
+def test_passes_holding_a_prefill_do_not_price_a_drafted_position():
+    """On a CPU a prefill costs less a position than a verify window (its weights read once for
+    many): fitted together, a draft's position looked a third of its cost. Passes with more
+    positions than their rows could verify are left out of the fit the choice prices with."""
+    controller = GoodputController(8)
+    rng = random.Random(0)
+    for i in range(400):
+        rows = rng.randint(4, 8)
+        positions = rows + rng.randint(0, rows)                       # a verify window or a step
+        passes = [(rows, positions, 0.0, 2.0 + 0.4 * positions)]
+        if i % 3 == 0:                                                # a new request's prompt beside them
+            passes.append((rows, rows - 1 + 96, 0.0, 2.0 + 0.4 * (rows - 1) + 0.05 * 96))
+        controller.observe_passes("target", f"batch-{i}", passes)
+    assert 0.3 < controller.costs.target.theta[2] < 0.5
