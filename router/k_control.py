@@ -394,19 +394,23 @@ class GoodputController:
         self.costs.observe_round(draft_call, wall_ms, engine_ms, predicted_ms, self._drafts_in_flight)
 
     def observe_passes(self, pool: str, batch_id: str, passes) -> None:
-        """A pool's batch, reported with every row it answered: counted once. Its passes with
-        more positions than their rows could verify are left out: they hold a prompt's
-        prefill, and the choice prices verify windows and steps only. Prefills are where a
-        CPU's forward is most efficient a position (its weights read once for many); fitted
-        together with the windows they made a drafted position look a third of what it cost
-        (the default cluster at 8 sampled clients, 2026-12-07: 0.05 ms a position fitted,
-        where rounds that drafted a token a row took 0.33 ms of engine time more a draft)."""
+        """A pool's batch, reported with every row it answered: counted once. The target's
+        passes with more positions than their rows could verify are left out: they hold a
+        prompt's prefill, which the target runs whether or not anyone drafts, and the choice
+        prices its verify windows and steps only. Prefills are where a CPU's forward is most
+        efficient a position (its weights read once for many); fitted together with the
+        windows they made a drafted position look a third of what it cost (the default
+        cluster at 8 sampled clients, 2026-12-07: 0.05 ms a position fitted, where rounds that
+        drafted a token a row took 0.33 ms of engine time more a draft). The draft pool's
+        prefills stay in its fit: it prefills a prompt only because the sequence drafts there
+        (left out, draft_model drafted at 8 greedy clients and ran 0.60x the target alone)."""
         if not batch_id or batch_id in self._seen_batches[pool]:
             return
         self._seen_batches[pool].append(batch_id)
-        model = self.costs.target if pool == "target" else self.costs.draft
+        target = pool == "target"
+        model = self.costs.target if target else self.costs.draft
         model.observe_all([(PassShape(rows, positions, attention), ms) for rows, positions, attention, ms in passes
-                           if positions <= rows * (self.max_k + 1)])
+                           if not target or positions <= rows * (self.max_k + 1)])
 
     def anchor(self, pool: str, passes) -> None:
         """A replica's start-up passes (replicas/deployments.py), once per pool."""

@@ -278,3 +278,6 @@ def test_passes_holding_a_prefill_do_not_price_a_drafted_position():
             passes.append((rows, rows - 1 + 96, 0.0, 2.0 + 0.4 * (rows - 1) + 0.05 * 96))
         controller.observe_passes("target", f"batch-{i}", passes)
     assert 0.3 < controller.costs.target.theta[2] < 0.5
+    # the draft pool prefills a prompt only for a sequence that drafts there: that stays its cost
+    controller.observe_passes("draft", "draft-batch", [(4, 3 + 96, 0.0, 10.0)])
+    assert controller.costs.draft.passes == 1
