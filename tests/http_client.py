@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Iterator
 
 import httpx
@@ -52,3 +53,18 @@ def reassemble(chunks) -> dict:
 
 def stream_complete(url: str, prompt: str, **fields) -> dict:
     return reassemble(stream_chunks(url, prompt, **fields))
+
+
+def wait_for_the_draft_pool(url: str, timeout_s: float = 180) -> None:
+    """A deployment or job is ready once the target answers; the draft pool's replicas may still
+    be loading (until they answer, the router serves the target alone, router/readiness.py).
+    /ready names the pools that have answered."""
+    deadline = time.monotonic() + timeout_s
+    pools: dict = {}
+    while time.monotonic() < deadline:
+        answer = httpx.get(f"{url}/ready", timeout=10)
+        pools = answer.json().get("pools", {}) if answer.status_code == 200 else {}
+        if pools.get("draft"):
+            return
+        time.sleep(1)
+    raise AssertionError(f"the draft pool never answered the router within {timeout_s} s: {pools}")

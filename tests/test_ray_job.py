@@ -21,7 +21,7 @@ import yaml
 
 from cluster.render import render_serve_config
 from tests.conftest import PROMPTS, free_port
-from tests.http_client import complete
+from tests.http_client import complete, wait_for_the_draft_pool
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -126,26 +126,11 @@ def test_a_job_with_a_llamacpp_draft_pool_on_cpu_nodes_serves_as_the_target_alon
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert gguf.is_file()
     url = endpoint(path)
-    _wait_for_the_draft_pool(url)
+    wait_for_the_draft_pool(url)
     for prompt in PROMPTS[:2]:
         out = complete(url, prompt, max_tokens=24, speculation={"k": 3})
         assert out["choices"][0]["token_ids"] == greedy_reference(prompt, 24)
         assert out["speculation"]["by_kind"]["draft_model"]["drafted_tokens"] > 0    # the pool's drafts
-
-
-def _wait_for_the_draft_pool(url: str, timeout_s: float = 180) -> None:
-    """The job returns once the target answers; the draft pool's replicas may still be loading
-    (until they answer, the router serves the target alone, router/readiness.py). /ready names
-    the pools that have answered."""
-    deadline = time.monotonic() + timeout_s
-    pools: dict = {}
-    while time.monotonic() < deadline:
-        answer = httpx.get(f"{url}/ready", timeout=10)
-        pools = answer.json().get("pools", {}) if answer.status_code == 200 else {}
-        if pools.get("draft"):
-            return
-        time.sleep(1)
-    raise AssertionError(f"the draft pool never answered the router within {timeout_s} s: {pools}")
 
 
 def test_a_job_that_cannot_deploy_exits_non_zero_with_the_reason(head, job_config, tmp_path):

@@ -23,7 +23,7 @@ from replicas.engines.huggingface.loading import load_causal_lm
 from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 from replicas.engines.huggingface.shard_group import ShardGroupBroken, launch_local
 from tests.conftest import PROMPTS, cluster_config, deploy
-from tests.http_client import complete, reassemble, stream_chunks
+from tests.http_client import complete, reassemble, stream_chunks, wait_for_the_draft_pool
 
 # float32 sums taken in another order (two partial sums, then the all-reduce): measured
 # differences are about 5e-6 on these logits, whose magnitude is about 1.
@@ -156,6 +156,7 @@ def test_the_draft_pool_shards_on_its_own(ray_serve, zoo, greedy_reference):
     pools = {"draft": {"resources": {"num_cpus": 0.1}, "tp_size": 2}}
     url = deploy(ray_serve, "draft-tp2", cluster_config(zoo.target, zoo.drafts["copy"], pools=pools))
     try:
+        wait_for_the_draft_pool(url)     # its two shards may still be loading when the target answers
         out = complete(url, PROMPTS[0], max_tokens=24, speculation={"k": 4})
         assert out["choices"][0]["token_ids"] == greedy_reference(PROMPTS[0], 24)
         assert out["speculation"]["acceptance_rate"] >= 0.95     # the draft is the target itself
