@@ -74,6 +74,18 @@ def test_coordination_is_a_rounds_time_beyond_its_engine_time_by_kind():
     assert costs.round_ms() == {"predicted": 20.0, "measured": 20.0}
 
 
+def test_a_round_with_a_draft_call_is_never_priced_below_one_without():
+    """Rounds that drafted can measure less coordination than rounds that did not (they
+    came at other moments of the load), but the draft call only adds a hop: taken as
+    measured, a draft call would look like a saving and the controller would draft for it."""
+    costs = RoundCosts()
+    for _ in range(50):
+        costs.observe_round(False, 50.0, 8.0)
+        costs.observe_round(True, 40.0, 9.0)
+    assert costs.coordination_ms(False) == pytest.approx(42.0)
+    assert costs.coordination_ms(True) == pytest.approx(42.0)
+
+
 def _rounds_with_drafts_in_flight(per_draft_ms: float, seed: int, rounds: int = 3000) -> RoundCosts:
     """Rounds whose coordination is 3 ms plus per_draft_ms a draft in flight (a cost no pass
     shows), with 20 % noise, while a level that has nothing to do with the drafts (the load
