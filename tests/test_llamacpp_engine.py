@@ -33,7 +33,7 @@ from replicas.engines.huggingface.loading import load_causal_lm
 from replicas.engines.huggingface.model_runner import ExtendCall
 from replicas.engines.llamacpp import LlamaCppDraftEngine, LlamaCppTargetEngine, build
 from replicas.engines.llamacpp.gguf_export import export, export_model, folder_vocabulary, write_gguf
-from replicas.engines.llamacpp.runner import LlamaCppRunner
+from replicas.engines.llamacpp.runner import RETIRED_KEPT, LlamaCppRunner
 from replicas.engines.llamacpp.vocabulary import VocabularyMismatch, check_vocabulary
 from replicas.protocol import ProposeRequest, VerifyRequest
 from replicas.sampling import GREEDY
@@ -102,6 +102,24 @@ def test_a_positions_logits_do_not_depend_on_the_pass_that_computes_it(gguf_file
     for name, got in (("window", window), ("batched", batched), ("crowded", crowded)):
         for a, b in zip(alone, got):
             assert (a - b).abs().max() <= 1e-5, f"{name}: {(a - b).abs().max()}"
+
+
+def test_only_the_latest_finished_sequences_keep_their_cells(gguf_files):
+    """A finished sequence's cells stay for a later one's prefix, but only the RETIRED_KEPT
+    latest: llama.cpp's attention visits every cell up to the highest in use, so each cell
+    kept lengthens every later pass. The latest still gives its whole prompt."""
+    engine = runner(gguf_files["target"])
+    prompts = fresh_prompts(load_tokenizer(BUNDLED["target"]), RETIRED_KEPT + 4, 32)
+    for i, ids in enumerate(prompts):
+        engine.extend_batch([ExtendCall(f"done{i}", ids, 1)])
+        engine.retire(f"done{i}")
+    held = engine.describe()
+    assert held["retired_sequences"] == RETIRED_KEPT
+    assert held["cached_tokens"] == 32 * RETIRED_KEPT
+    assert [engine.holds(f"done{i}") for i in range(len(prompts))] == [False] * 4 + [True] * RETIRED_KEPT
+    shared_before = held["shared_prefix_positions"]
+    engine.extend_batch([ExtendCall("next turn", prompts[-1] + prompts[0][:3], 1)])
+    assert engine.describe()["shared_prefix_positions"] - shared_before == 32
 
 
 def greedy_runs(target, draft, prompts: list[list[int]], k: int, tokens: int, tag: str,

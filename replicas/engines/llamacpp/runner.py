@@ -44,6 +44,11 @@ _CONTEXT_BATCH = 512      # the context's n_batch and n_ubatch
 # Positions per llama_decode: below llama.cpp's CPU flash attention's query tile (64), where it
 # switches to a tiled kernel that sums in another order (see _decode_piece).
 _DECODE_TOKENS = 63
+# Finished sequences kept for their prefixes. llama.cpp's attention visits every cell up to the
+# highest one in use (its n_kv), masked or not, for each new position of a pass, so every cell
+# kept for a finished sequence makes each later pass longer whatever its rows. A few hold a
+# shared prefix (a system prompt, a chat's earlier turns) as well as many.
+RETIRED_KEPT = 8
 
 
 class LlamaCppError(RuntimeError):
@@ -60,7 +65,7 @@ class _Held:
 class LlamaCppRunner:
     def __init__(self, gguf: Path, max_cached_tokens: int, max_seq_len: int, max_sequences: int = 64,
                  threads: int = 1, kv_type: str = "f16", prefix_caching: bool = True, gpu_layers: int = -1,
-                 repack: bool = False, flash_attention: bool = True):
+                 repack: bool = False, flash_attention: bool = True, retired_kept: int = RETIRED_KEPT):
         """max_cached_tokens: the unified KV cache's cells over all sequences; max_sequences:
         the slots (at most 256); threads: llama.cpp's threads for every pass (the replica's
         CPUs); kv_type: the cache's element type; gpu_layers: layers offloaded where the build
@@ -71,7 +76,8 @@ class LlamaCppRunner:
         results do not depend on the pass below 64 positions (_decode_piece), at the cost of
         precision: on the CPU it scores in half precision, logits about 1e-3 from float32's.
         Without it attention is float32 throughout, and a position's logits change with the
-        pass (by about 3e-4 here): exact speculation needs it on."""
+        pass (by about 3e-4 here): exact speculation needs it on. retired_kept: finished
+        sequences whose cells stay for later prefixes (RETIRED_KEPT)."""
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
@@ -84,7 +90,7 @@ class LlamaCppRunner:
         self.max_seq_len = max_seq_len
         self.max_tokens = max(max_cached_tokens, max_seq_len)
         self.threads, self.kv_type, self.prefix_caching = threads, kv_type, prefix_caching
-        self.flash_attention = flash_attention
+        self.flash_attention, self.retired_kept = flash_attention, retired_kept
         self.context = self._new_context(min(_MAX_SLOTS, max(2, max_sequences)))
         self.memory = llama_cpp.llama_get_memory(self.context)
         self.device = torch.device("cpu")        # where the logits it returns live
@@ -143,12 +149,17 @@ class LlamaCppRunner:
             self._free.append(held.slot)
 
     def retire(self, seq_id: str) -> None:
-        """The sequence finished: its positions stay, first to go, to give a new sequence its prefix."""
+        """The sequence finished: its positions stay, first to go, to give a new sequence its
+        prefix; beyond the retired_kept latest, the oldest retired sequence goes now."""
         if not self.prefix_caching:
             self.release(seq_id)
         elif seq_id in self._held:
             self._held[seq_id].retired = True
-            self._held.move_to_end(seq_id, last=False)
+            self._held.move_to_end(seq_id, last=False)      # the front: retired, latest first
+            retired = [name for name, held in self._held.items() if held.retired]
+            for name in retired[self.retired_kept:]:
+                self.release(name)
+                self.evictions += 1
 
     def holds(self, seq_id: str) -> bool:
         return seq_id in self._held
