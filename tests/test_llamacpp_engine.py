@@ -122,6 +122,20 @@ def test_only_the_latest_finished_sequences_keep_their_cells(gguf_files):
     assert engine.describe()["shared_prefix_positions"] - shared_before == 32
 
 
+def test_a_lone_step_runs_as_a_window_of_two_unless_measuring(gguf_files):
+    """A lone sequence's single-token step computes its previous position again, so it takes
+    the same kernels as a verify window (docs/ENGINES.md, 1.5-2x the cost of one position);
+    lone_step_window off (measurement only, cluster/bench/llamacpp_passes.py --lone)
+    computes the one new position."""
+    ids = fresh_prompts(load_tokenizer(BUNDLED["target"]), 1, 24)[0]
+    fed = {}
+    for window in (True, False):
+        engine = runner(gguf_files["target"], lone_step_window=window)
+        engine.extend_batch([ExtendCall("lone", ids[:-1], 1)])
+        fed[window] = engine.extend_batch([ExtendCall("lone", ids, 1)])[0].positions_fed
+    assert fed == {True: 2, False: 1}
+
+
 def greedy_runs(target, draft, prompts: list[list[int]], k: int, tokens: int, tag: str,
                 lookup: str | None = None, batch: int = 16) -> list[list[int]]:
     """Each prompt's first `tokens` greedy tokens, `batch` sequences verified together per

@@ -9,6 +9,12 @@ Each finished sequence is a distinct random prompt of --finished-tokens, compute
 sequences of --context positions take --steps single-token steps together, timed (median).
 Why it matters: llama.cpp's attention visits every cell up to the highest in use for each new
 position, so held cells cost every pass (docs/ENGINES.md). No Ray, no server.
+
+    python -m cluster.bench.llamacpp_passes --gguf FILE.gguf --threads 2 --lone
+
+--lone measures instead what exactness costs a lone sequence: its single-token step as the
+runner takes it (a window of two, llama.cpp's matrix-matrix kernels) against one position
+alone (its matrix-vector path, what llama-server runs), median ms of each, interleaved.
 """
 
 from __future__ import annotations
@@ -55,6 +61,28 @@ def measure(gguf: Path, threads: int, finished: int, finished_tokens: int, retir
     return results
 
 
+def lone_step_ms(gguf: Path, threads: int, context: int, steps: int) -> dict:
+    """Median ms of one sequence's single-token step, as a window of two and as one position,
+    the two taken in turn on the same sequence so that the machine's drift hits both."""
+    rng = random.Random(0)
+    runners = {window: LlamaCppRunner(gguf, 4096, context + steps + 2, max_sequences=4, threads=threads,
+                                      lone_step_window=window) for window in (True, False)}
+    tokens = [rng.randrange(3, runners[True].vocab_size) for _ in range(context)]
+    for runner in runners.values():
+        runner.extend_batch([ExtendCall("lone", tokens, 1)])
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(steps):
+        tokens.append(rng.randrange(3, runners[True].vocab_size))
+        for window, runner in runners.items():
+            started = time.perf_counter()
+            runner.extend_batch([ExtendCall("lone", tokens, 1)])
+            times[window].append((time.perf_counter() - started) * 1000)
+    for runner in runners.values():
+        runner.close()
+    return {"threads": threads, "context": context, "window_of_two_ms": round(statistics.median(times[True]), 2),
+            "one_position_ms": round(statistics.median(times[False]), 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, default=Path("models/gguf/target.gguf"))
@@ -66,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--context", type=int, default=150)
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--lone", action="store_true", help="a lone sequence's step: window of two vs one position")
     args = parser.parse_args(argv)
+    if args.lone:
+        print(lone_step_ms(args.gguf, args.threads, args.context, args.steps), flush=True)
+        return 0
     for kept in args.retired_kept:
         for result in measure(args.gguf, args.threads, args.finished, args.finished_tokens, kept, args.rows,
                               args.context, args.steps):

@@ -65,7 +65,8 @@ class _Held:
 class LlamaCppRunner:
     def __init__(self, gguf: Path, max_cached_tokens: int, max_seq_len: int, max_sequences: int = 64,
                  threads: int = 1, kv_type: str = "f16", prefix_caching: bool = True, gpu_layers: int = -1,
-                 repack: bool = False, flash_attention: bool = True, retired_kept: int = RETIRED_KEPT):
+                 repack: bool = False, flash_attention: bool = True, retired_kept: int = RETIRED_KEPT,
+                 lone_step_window: bool = True):
         """max_cached_tokens: the unified KV cache's cells over all sequences; max_sequences:
         the slots (at most 256); threads: llama.cpp's threads for every pass (the replica's
         CPUs); kv_type: the cache's element type; gpu_layers: layers offloaded where the build
@@ -77,7 +78,9 @@ class LlamaCppRunner:
         precision: on the CPU it scores in half precision, logits about 1e-3 from float32's.
         Without it attention is float32 throughout, and a position's logits change with the
         pass (by about 3e-4 here): exact speculation needs it on. retired_kept: finished
-        sequences whose cells stay for later prefixes (RETIRED_KEPT)."""
+        sequences whose cells stay for later prefixes (RETIRED_KEPT). lone_step_window: a
+        lone single-token step runs as a window of two (_step_as_window), as exactness needs;
+        off only to measure what that costs (cluster/bench/llamacpp_passes.py --lone)."""
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
@@ -91,6 +94,7 @@ class LlamaCppRunner:
         self.max_tokens = max(max_cached_tokens, max_seq_len)
         self.threads, self.kv_type, self.prefix_caching = threads, kv_type, prefix_caching
         self.flash_attention, self.retired_kept = flash_attention, retired_kept
+        self.lone_step_window = lone_step_window
         self.context = self._new_context(min(_MAX_SLOTS, max(2, max_sequences)))
         self.memory = llama_cpp.llama_get_memory(self.context)
         self.device = torch.device("cpu")        # where the logits it returns live
@@ -121,7 +125,8 @@ class LlamaCppRunner:
         _DECODE_TOKENS positions), the logits of its last num_logits positions returned."""
         names = {call.seq_id for call in calls}
         plans = [self._prepare(call, names) for call in calls]     # (slot, first new position)
-        if len(calls) == 1 and len(calls[0].tokens) - plans[0][1] == 1 and plans[0][1] > 0:
+        lone_step = len(calls) == 1 and len(calls[0].tokens) - plans[0][1] == 1 and plans[0][1] > 0
+        if lone_step and self.lone_step_window:
             plans = [self._step_as_window(calls[0], *plans[0])]
         new = [len(call.tokens) - start for call, (_, start) in zip(calls, plans)]
         self._make_room(sum(new), names)
