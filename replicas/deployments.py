@@ -47,10 +47,15 @@ class _ModelReplica:
                  channel_key: bytes):
         logger.info("loading %s model from %s (%s, %s, tp_size %d)", self.role, spec.path, spec.dtype,
                     spec.device, pool.tp_size)
-        self.engine = build_engine(self.role, spec, pool, max_seq_len)
-        self.startup_passes = self.engine.startup_passes()   # also warms the engine up
-        logger.info("%s start-up passes (rows, positions, attention, ms): %s", self.role, self.startup_passes)
+        # Everything the engine computes, its start-up passes included, runs on this one thread.
+        # OpenMP (llama.cpp's threads, torch's) keeps a team of threads for each thread that
+        # starts parallel work; with a second team on the replica's cores its threads sleep at
+        # every barrier instead of spinning: a 1 B Q8_0 step took 62 ms from the thread that
+        # built the engine and 70-75 ms (about 500 sleeps a step) from another one.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-model")
+        self.engine = self._worker.submit(build_engine, self.role, spec, pool, max_seq_len).result()
+        self.startup_passes = self._worker.submit(self.engine.startup_passes).result()   # also warms it up
+        logger.info("%s start-up passes (rows, positions, attention, ms): %s", self.role, self.startup_passes)
         self.metrics = PoolMetrics()
         batching = pool.batching
         self.batcher = Batcher(self._run_batch, call_stream,
