@@ -54,10 +54,13 @@ class ModelSpec(Strict):
                 "the CPU, whatever GPUs the node has; given GPUs torch cannot see is a start-up error.")
     compile: Literal["auto", "on", "off"] = Field(
         "auto", description="How the forward pass is compiled at replica start (the Hugging Face engine in one "
-                            "process). 'auto': the form measured fastest for the device: on a CPU a float32 Llama "
-                            "runs each forward pass as one C call, built for the CPU with the system's C compiler "
-                            "(cc or $CC; about a second, cached in compile_cache_dir or the temp folder) and "
-                            "batch-invariant; anything else (bfloat16, a GPU, a tensor-parallel shard) eager. 'on': "
+                            "process). 'auto': on a CPU a float32 Llama runs each forward pass as one C call, "
+                            "built for the CPU with the system's C compiler (cc or $CC; about a second, cached in "
+                            "compile_cache_dir or the temp folder) and batch-invariant (measured fastest there); on "
+                            "a GPU a Llama's decode and verify passes (up to 64 rows of 16 positions) replay CUDA "
+                            "graphs, one captured at the first pass of each bucket of rows, positions and attended "
+                            "positions; anything else (bfloat16 on a CPU, a prefill, a tensor-parallel shard) eager. "
+                            "'on': "
                             "each layer's arithmetic torch.compile'd (inductor), compiled for each shape class at "
                             "replica start and cached on disk by inductor. 'off': eager. Each falls back to eager "
                             "with a warning where compiling fails or no compiler is found.")

@@ -102,6 +102,12 @@ def row_block(spec: ModelSpec, role: str, model) -> int | None:
     return spec.row_block or None
 
 
+def cuda_graphs_for(spec: ModelSpec, model) -> bool:
+    """compile: auto on a GPU replays the eager forward's decode and verify passes from CUDA
+    graphs (cuda_graphs.py)."""
+    return spec.compile == "auto" and model.device.type == "cuda"
+
+
 def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_len: int, role: str) -> Runner:
     if pool.tp_size == 1:
         from replicas.engines.huggingface.loading import load_causal_lm
@@ -116,7 +122,8 @@ def _runner(spec: ModelSpec, pool: DraftPoolConfig | TargetPoolConfig, max_seq_l
         return ModelRunner(model, tokens, max_seq_len, compiled=spec.compile == "on",
                            prefix_caching=pool.kv_cache.prefix_caching, fused_cpu=spec.compile == "auto",
                            fused_cache_dir=spec.compile_cache_dir, prefill_chunk=pool.prefill_chunk_tokens,
-                           row_block=row_block(spec, role, model))
+                           row_block=row_block(spec, role, model),
+                           cuda_graphs=cuda_graphs_for(spec, model))
     from replicas.engines.huggingface.shard_group import launch_in_placement_group
 
     if spec.compile == "on":

@@ -63,10 +63,10 @@ class _Engine:
     @classmethod
     def on_model(cls, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
                  compiled: bool = False, fused_cpu: bool = False, grammars: GrammarMasks | None = None,
-                 probs_top: int = DEFAULT_TOP, row_block: int | None = None):
+                 probs_top: int = DEFAULT_TOP, row_block: int | None = None, cuda_graphs: bool = False):
         """The engine over one in-process model (tests, offline measurement)."""
         return cls(ModelRunner(model, max_cached_tokens, max_seq_len, compiled=compiled, fused_cpu=fused_cpu,
-                               row_block=row_block), grammars, probs_top)
+                               row_block=row_block, cuda_graphs=cuda_graphs), grammars, probs_top)
 
     def release(self, seq_id: str) -> None:
         """The sequence has finished (the router says so)."""
@@ -78,6 +78,7 @@ class _Engine:
         return {"engine": "huggingface", "tp_size": len(shards) if shards else 1,
                 "compile_s": getattr(self.runner, "compile_s", None), "dtype": _dtype_name(self.runner),
                 "fused_cpu": getattr(self.runner, "fused", False),
+                "cuda_graphs": getattr(self.runner, "graph_counts", None),
                 "dtype_scores_ms": getattr(self.runner, "dtype_scores_ms", None),
                 "shards": [vars(s) for s in shards] if shards else None,
                 "cached_sequences": len(caches) - caches.retired, "retired_sequences": caches.retired,

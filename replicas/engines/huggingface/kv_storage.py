@@ -11,6 +11,9 @@ some of them holes: slots of sequences not in this batch, fed dummy tokens). Eac
   cache is copied; the mask lets row r's query j see its own slot's positions 0..P_r + j.
 
 Shapes: R rows, N = max N_r new positions per row, L attended positions per row.
+
+A CUDA graph cannot attend a view that starts at another slot each call: GatheredWindow reads
+the rows' slots by index instead (a copy of the window a layer, cuda_graphs.py says why).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class SlotStorage:
         self.max_seq_len = max_seq_len
         self.capacity = 0
         self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.generation = 0     # counts (re)allocations: a CUDA graph holds the tensors' addresses
 
     def ensure_capacity(self, capacity: int, budget: int | None = None) -> None:
         """Grow every allocated layer to `capacity` slots (doubling, so growth is rare, but
@@ -43,6 +47,7 @@ class SlotStorage:
             if layer is not None:
                 self.layers[index] = tuple(_grow(tensor, grown + 1) for tensor in layer)
         self.capacity = grown
+        self.generation += 1
 
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values, allocated in the shape of `like` [R, H, N, D]."""
@@ -51,6 +56,7 @@ class SlotStorage:
         if self.layers[index] is None:
             shape = (self.capacity + 1, like.shape[1], self.max_seq_len, like.shape[3])
             self.layers[index] = (like.new_zeros(shape), like.new_zeros(shape))
+            self.generation += 1
         return self.layers[index]
 
     def move(self, moves: list[SlotMove]) -> None:
@@ -89,12 +95,37 @@ class BatchWindow:
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         """keys, values [R, H, N, D] -> the window's keys and values [R, H, L, D] (views)."""
-        stored_keys, stored_values = self.storage.layer(layer_idx, keys)
-        where = (self.layout.write_slot, self.layout.write_position)
-        stored_keys.transpose(1, 2).index_put_(where, keys.transpose(1, 2))
-        stored_values.transpose(1, 2).index_put_(where, values.transpose(1, 2))
+        stored = _write(self.storage, layer_idx, keys, values, self.layout.write_slot, self.layout.write_position)
         window = slice(self.layout.lo, self.layout.lo + self.layout.rows)
-        return (stored_keys[window, :, :self.layout.attended], stored_values[window, :, :self.layout.attended])
+        return tuple(tensor[window, :, :self.layout.attended] for tensor in stored)
+
+
+class GatheredWindow:
+    """BatchWindow over slots named by a tensor of slot indices, not a range of them, so that
+    every input of the pass is a tensor whose address stays put (a CUDA graph's replay reads
+    and writes the addresses it was captured with). The window is a copy: [R, H, L, D] per
+    layer for keys and again for values, read from the storage and written once more."""
+
+    def __init__(self, storage: SlotStorage, write_slot: torch.Tensor, write_position: torch.Tensor,
+                 read_slots: torch.Tensor, attended: int):
+        """write_slot, write_position [R, N] as in RowLayout; read_slots [R]: row r attends that
+        slot's first `attended` positions."""
+        self.storage, self.write_slot, self.write_position = storage, write_slot, write_position
+        self.read_slots, self.attended = read_slots, attended
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        stored = _write(self.storage, layer_idx, keys, values, self.write_slot, self.write_position)
+        return tuple(tensor[:, :, :self.attended].index_select(0, self.read_slots) for tensor in stored)
+
+
+def _write(storage: SlotStorage, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+           write_slot: torch.Tensor, write_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store a layer's new keys and values [R, H, N, D] at (write_slot, write_position) [R, N];
+    returns the layer's whole storage."""
+    stored_keys, stored_values = storage.layer(layer_idx, keys)
+    stored_keys.transpose(1, 2).index_put_((write_slot, write_position), keys.transpose(1, 2))
+    stored_values.transpose(1, 2).index_put_((write_slot, write_position), values.transpose(1, 2))
+    return stored_keys, stored_values
 
 
 def layout_rows(lo: int, reuse: list[int], new: list[int], device: torch.device) -> tuple[RowLayout, torch.Tensor, torch.Tensor]:

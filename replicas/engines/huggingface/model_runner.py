@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from replicas.engines.huggingface.cuda_graphs import Capture, CudaGraphCapture, GraphedForward
 from replicas.engines.huggingface.fused_cpu import FusedCpuForward, load_library
 from replicas.engines.huggingface.kv_cache import KVCacheStore, common_prefix_length
 from replicas.engines.huggingface.kv_storage import BatchWindow, SlotStorage, layout_rows
@@ -60,7 +61,7 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel, max_cached_tokens: int, max_seq_len: int | None = None,
                  lean: bool = True, compiled: bool = False, prefix_caching: bool = True,
                  fused_cpu: bool = False, fused_cache_dir: Path | None = None, prefill_chunk: int | None = None,
-                 row_block: int | None = None):
+                 row_block: int | None = None, cuda_graphs: bool = False):
         """lean: run a plain Llama decoder through LlamaForward (the same arithmetic with far
         less Python per call); other models, or lean=False, run through their own modules.
         prefix_caching: a new sequence takes the longest prefix of its tokens that any cached
@@ -73,7 +74,9 @@ class ModelRunner:
         prefill runs in chunks of it (chunked prefill), each extending the cache the next one
         reuses, so a long prompt's activations stay bounded. None: whole.
         row_block: LlamaForward's linears and norms this many rows at a time (RowBlockLinear: a
-        GPU's kernels then sum every position the same way in any call). None: whole."""
+        GPU's kernels then sum every position the same way in any call). None: whole.
+        cuda_graphs: on a GPU, the eager lean forward's decode and verify passes replayed from
+        CUDA graphs (cuda_graphs.py); other passes, and other models, eager."""
         _check_plain_output_layer(model.config)
         self.model = model
         self.decoder = (LlamaForward(model, row_block=row_block) if lean and LlamaForward.supports(model)
@@ -92,6 +95,20 @@ class ModelRunner:
             self._compile()
         elif fused_cpu and self.lean:
             self._fuse(fused_cache_dir)
+        elif cuda_graphs:
+            if self.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+            self.replay_graphs(CudaGraphCapture())
+
+    def replay_graphs(self, capture: Capture) -> None:
+        """Run the eager lean forward's passes that fit a bucket as graphs `capture` makes
+        (cuda_graphs.py); the KV storage is allocated whole now, since a graph holds its
+        addresses. A tensor-parallel shard's all-reduce hooks, or another model, stay eager."""
+        if not isinstance(self.decoder, LlamaForward) or any(layer.hooked for layer in self.decoder.layers):
+            logger.warning("CUDA graphs apply to a plain Llama decoder in one process; this one runs eager")
+            return
+        self.storage.ensure_capacity(self.caches.max_slots)
+        self.decoder = GraphedForward(self.decoder, self.storage, self.pad_id, capture)
 
     def _fuse(self, cache_dir: Path | None) -> None:
         if not FusedCpuForward.supports(self.model):
@@ -273,8 +290,13 @@ class ModelRunner:
 
     @property
     def lean(self) -> bool:
-        """A plain Llama decoder run by this project's forward (eager, compiled or fused)."""
-        return isinstance(self.decoder, (LlamaForward, FusedCpuForward))
+        """A plain Llama decoder run by this project's forward (eager, compiled, fused or graphed)."""
+        return isinstance(self.decoder, (LlamaForward, FusedCpuForward, GraphedForward))
+
+    @property
+    def graph_counts(self) -> dict | None:
+        """CUDA graphs captured, replayed, dropped, and passes run eager past every bucket; None without graphs."""
+        return self.decoder.counts if isinstance(self.decoder, GraphedForward) else None
 
     @property
     def fused(self) -> bool:
