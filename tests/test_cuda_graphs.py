@@ -74,12 +74,12 @@ def test_a_bucket_is_captured_once_and_replayed_after():
     runner.extend_batch([ExtendCall(seq_id, t, 1) for seq_id, t in tokens.items()])     # a prefill: eager
     assert runner.graph_counts == {"captured": 0, "replayed": 0, "eager": 1, "dropped": 0}
     for step in range(3):      # decode steps of 3 rows, then verifies of 5 positions: two buckets
-        for seq_id in tokens:
-            tokens[seq_id].append(step + 1)
+        for sequence in tokens.values():
+            sequence.append(step + 1)
         runner.extend_batch([ExtendCall(seq_id, t, 1) for seq_id, t in tokens.items()])
     for step in range(2):
-        for seq_id in tokens:
-            tokens[seq_id] += [step + 2] * 5
+        for sequence in tokens.values():
+            sequence += [step + 2] * 5
         runner.extend_batch([ExtendCall(seq_id, t, 5) for seq_id, t in tokens.items()])
     assert runner.graph_counts == {"captured": 2, "replayed": 3, "eager": 1, "dropped": 0}
     assert set(runner.decoder.graphs) == {Bucket(4, 1, 64), Bucket(4, 8, 64)}

@@ -38,8 +38,8 @@ a 'capture' that reruns the pass: no CUDA here); on a GPU by cluster/bench/gpu_c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
