@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from cluster.bench.gpu_check import GREEDY_PROMPTS, greedy_alone, speculate
 from cluster.config import ModelSpec
 from replicas.engines.huggingface import DraftEngine, TargetEngine, cuda_graphs_for
-from replicas.engines.huggingface.cuda_graphs import Bucket, GraphedForward
+from replicas.engines.huggingface.cuda_graphs import Bucket, GraphedForward, rerun_capture
 from replicas.engines.huggingface.loading import load_causal_lm
 from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 from tests.test_llama_forward import random_batches
@@ -23,14 +23,9 @@ from tests.test_llama_forward import random_batches
 LOGIT_ATOL = 1e-4     # float32 summed in another order (padded rows and keys): a few 1e-6
 
 
-def rerun(run):
-    """A capture without CUDA: the first output, and a 'replay' that computes the pass again."""
-    return run(), run
-
-
 def graphed(model, max_seq_len: int = 128) -> ModelRunner:
     runner = ModelRunner(model, 1 << 16, max_seq_len)
-    runner.replay_graphs(rerun)
+    runner.replay_graphs(rerun_capture)
     assert isinstance(runner.decoder, GraphedForward)
     return runner
 
@@ -116,7 +111,7 @@ def test_greedy_speculation_on_replayed_engines_equals_generate(k):
     drafter = DraftEngine.on_model(draft, max_cached_tokens=4000, max_seq_len=256)
     verifier = TargetEngine.on_model(target, max_cached_tokens=4000, max_seq_len=256)
     for engine in (drafter, verifier):
-        engine.runner.replay_graphs(rerun)
+        engine.runner.replay_graphs(rerun_capture)
     for i, prompt in enumerate(GREEDY_PROMPTS):
         assert speculate(drafter, verifier, prompt, k, f"k{k}-{i}", 48) == greedy_alone(target, prompt, 48), i
     assert verifier.describe()["cuda_graphs"]["replayed"] > 0

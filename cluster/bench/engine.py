@@ -97,11 +97,12 @@ def plain_forward_ms(model, sequences: int, positions: int, context: int, repeat
 
 @torch.inference_mode()
 def engine_ms(model, sequences: int, positions: int, context: int, repeats: int, device,
-              compiled: bool = False, fused: bool = False) -> float:
+              compiled: bool = False, fused: bool = False, graphs: bool = False) -> float:
     """The engine's extend_batch of the same shapes: `positions` recomputed per sequence over
     its cached context (the call keeps the cache, so every run has the same shape); compiled:
     with the compiled layers (compiled once per process, so only the first call pays); fused:
-    the fused CPU forward (models.*.compile: auto on a CPU)."""
+    the fused CPU forward (models.*.compile: auto on a CPU); graphs: replayed from CUDA graphs
+    (models.*.compile: auto on a GPU; on a CPU rerun in their buckets, to run the path)."""
     from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
 
     length = context + positions
@@ -109,6 +110,10 @@ def engine_ms(model, sequences: int, positions: int, context: int, repeats: int,
                          fused_cpu=fused)
     if fused and not runner.fused:
         raise SystemExit("the fused CPU forward does not apply to this model or device (float32 Llama on a CPU)")
+    if graphs:
+        from replicas.engines.huggingface.cuda_graphs import capture_for
+
+        runner.replay_graphs(capture_for(device))
     vocab = model.config.vocab_size
     calls = [ExtendCall(f"s{b}", torch.randint(1, vocab, (context + positions,)).tolist(), positions)
              for b in range(sequences)]
@@ -126,7 +131,7 @@ def weight_bytes(model) -> int:
 
 
 def measure(model, device: torch.device, sequences: list[int], positions: list[int], context: int,
-            repeats: int, compiled: bool = False, fused: bool = False) -> dict:
+            repeats: int, compiled: bool = False, fused: bool = False, graphs: bool = False) -> dict:
     bandwidth = copy_bandwidth(device)
     floor_ms = weight_bytes(model) / bandwidth * 1000
     rows = []
@@ -139,6 +144,9 @@ def measure(model, device: torch.device, sequences: list[int], positions: list[i
             if compiled:
                 row["compiled_ms"] = engine_ms(model, count, new, context, repeats, device, compiled=True)
                 row["eager_over_compiled"] = round(engine / row["compiled_ms"], 3)
+            if graphs:
+                row["graphed_ms"] = engine_ms(model, count, new, context, repeats, device, graphs=True)
+                row["eager_over_graphed"] = round(engine / row["graphed_ms"], 3)
             if fused:
                 row["fused_ms"] = engine_ms(model, count, new, context, repeats, device, fused=True)
                 row["eager_over_fused"] = round(engine / row["fused_ms"], 3)
@@ -164,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the engine with its layers compiled (models.*.compile: on)")
     parser.add_argument("--fused", action="store_true",
                         help="also time the fused CPU forward (models.*.compile: auto; float32 on a CPU)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time the forward replayed from CUDA graphs (models.*.compile: auto on a GPU)")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.random_llama:
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = load_causal_lm(ModelSpec(path=args.model.resolve(), dtype=args.dtype), device=device)
     report = measure(model, device, args.sequences, args.positions, args.context, args.repeats, args.compile,
-                     args.fused)
+                     args.fused, args.graphs)
     report["model"] = args.random_llama or str(args.model)
     print(json.dumps(report, indent=2))
     return 0

@@ -7,19 +7,23 @@ In order, each part timed and recorded as it ends, within --budget-s (a part tha
 after it is recorded as skipped) and a hard --deadline-s (a part running then is stopped):
 0. device selection: what `device: auto` picks here, and for a replica Ray gave no GPU.
 1. exactness on the device, with tiny random pairs in float32: greedy speculation on the
-   engines, eager and compiled (`models.*.compile: on`), equals Hugging Face's greedy
-   generate() of the target alone for k 1, 3 and 5; sampled speculation's first two tokens
-   fit the target's exact joint distribution (chi-square at 0.1 %; the reference is a plain
-   softmax of full forward passes, temperature 1). In bfloat16, without row blocks and with
-   the ones a replica takes here (`models.target.row_block: auto`): whether the target passes
-   the start-up invariance probe (else replicas run it in float32), and how many greedy
-   tokens of speculation differ from the engine's own single steps.
+   engines, eager, compiled (`models.*.compile: on`) and replayed from CUDA graphs
+   (`compile: auto` on a GPU), equals Hugging Face's greedy generate() of the target alone
+   for k 1, 3 and 5; sampled speculation's first two tokens fit the target's exact joint
+   distribution (chi-square at 0.1 %; the reference is a plain softmax of full forward
+   passes, temperature 1). In bfloat16, without row blocks and with the ones a replica takes
+   here (`models.target.row_block: auto`), eager and graphed: whether the target passes the
+   start-up invariance probe (else replicas run it in float32), and how many greedy tokens
+   of speculation differ from the engine's own single steps.
 2. attention memory: the bfloat16 attention's peak over a 16 x 2,048-token prefill with an
    8 B model's heads, against its scores all at once.
-3. the engine alone for random-weight Llamas of real sizes (--sizes, default 1.5b and 8b, in
-   bfloat16): eager and compiled ms per forward at 1, 8 and 32 sequences of 1 and 5 new
-   positions over 512 cached ones, against a plain transformers forward and the weight-read
-   floor (cluster/bench/engine.py), with each size's compile time.
+3. tensor parallelism: two shards in two processes (NCCL where there are two GPUs; skipped
+   where there is one; over gloo on a CPU) against the whole model in one: logits, and
+   greedy tokens step by step.
+4. the engine alone for random-weight Llamas of real sizes (--sizes, default 1.5b and 8b, in
+   bfloat16): eager, compiled and CUDA-graphed ms per forward at 1, 8 and 32 sequences of 1
+   and 5 new positions over 512 cached ones, against a plain transformers forward and the
+   weight-read floor (cluster/bench/engine.py), with each size's compile time.
 Exits 1 when an exactness check fails. Also runs on a CPU (--device cpu --sizes tiny) as a
 smoke test of itself.
 """
@@ -50,12 +54,18 @@ def tiny_pair(device: torch.device, vocab: int, seed: int):
     return target.to(device), draft.to(device)
 
 
-def engines(target, draft, compiled: bool, row_block: int | None = None):
+def engines(target, draft, compiled: bool, row_block: int | None = None, graphs: bool = False):
+    """graphs: both engines' decode and verify passes replayed from CUDA graphs (on a CPU the
+    passes rerun in their buckets instead: cuda_graphs.rerun_capture)."""
     from replicas.engines.huggingface import DraftEngine, TargetEngine
+    from replicas.engines.huggingface.cuda_graphs import capture_for
 
-    return (DraftEngine.on_model(draft, max_cached_tokens=4000, max_seq_len=128, compiled=compiled),
+    pair = (DraftEngine.on_model(draft, max_cached_tokens=4000, max_seq_len=128, compiled=compiled),
             TargetEngine.on_model(target, max_cached_tokens=4000, max_seq_len=128, compiled=compiled,
                                   row_block=row_block))
+    for engine in pair if graphs else ():
+        engine.runner.replay_graphs(capture_for(target.device))
+    return pair
 
 
 def greedy_alone(target, prompt: list[int], max_tokens: int) -> list[int]:
@@ -82,14 +92,16 @@ def speculate(drafter, verifier, prompt: list[int], k: int, seq_id: str, max_tok
 GREEDY_PROMPTS = [list(range(5, 25)), [3, 9, 4, 11, 2, 8], list(range(40, 12, -1))]
 
 
-def greedy_matches(device: torch.device, compiled: bool, max_tokens: int = 32) -> dict:
+def greedy_matches(device: torch.device, compiled: bool, max_tokens: int = 32, graphs: bool = False) -> dict:
     """Greedy speculation against the target alone, for k 1, 3, 5, on three prompts."""
     target, draft = tiny_pair(device, 64, seed=3)
-    drafter, verifier = engines(target, draft, compiled)
+    drafter, verifier = engines(target, draft, compiled, graphs=graphs)
     mismatches = [{"k": k, "prompt": i} for k in (1, 3, 5) for i, prompt in enumerate(GREEDY_PROMPTS)
                   if speculate(drafter, verifier, prompt, k, f"k{k}-{i}", max_tokens)
                   != greedy_alone(target, prompt, max_tokens)]
-    return {"ok": not mismatches, "mismatches": mismatches, "compile_s": verifier.describe()["compile_s"]}
+    described = verifier.describe()
+    return {"ok": not mismatches, "mismatches": mismatches, "compile_s": described["compile_s"],
+            "cuda_graphs": described["cuda_graphs"]}
 
 
 @torch.inference_mode()
@@ -146,15 +158,17 @@ def bfloat16_exactness(device: torch.device, max_tokens: int = 64) -> dict:
     from replicas.engines.huggingface import ROW_BLOCK
 
     blocked = _bfloat16_differences(device, ROW_BLOCK, max_tokens)
-    return {"ok": blocked["batch_invariant"] and blocked["tokens_after_a_difference"] == 0,
-            "row_blocks": blocked, "plain": _bfloat16_differences(device, None, max_tokens)}
+    graphed = _bfloat16_differences(device, ROW_BLOCK, max_tokens, graphs=True)
+    return {"ok": all(run["batch_invariant"] and run["tokens_after_a_difference"] == 0 for run in (blocked, graphed)),
+            "row_blocks": blocked, "row_blocks_graphed": graphed,
+            "plain": _bfloat16_differences(device, None, max_tokens)}
 
 
-def _bfloat16_differences(device: torch.device, row_block: int | None, max_tokens: int) -> dict:
+def _bfloat16_differences(device: torch.device, row_block: int | None, max_tokens: int, graphs: bool = False) -> dict:
     from replicas.engines.huggingface.invariance import batch_invariant
 
     target, draft = (model.to(torch.bfloat16) for model in tiny_pair(device, 64, seed=3))
-    drafter, verifier = engines(target, draft, compiled=False, row_block=row_block)
+    drafter, verifier = engines(target, draft, compiled=False, row_block=row_block, graphs=graphs)
     invariant = batch_invariant(verifier.runner)
     compared = differing = 0
     for k in (1, 3, 5):
@@ -194,10 +208,72 @@ def attention_memory(device: torch.device) -> dict:
     return report
 
 
+TP_WORLD = 2
+
+
+def tensor_parallel(device: torch.device, max_tokens: int = 24) -> dict:
+    """The tiny target split into two shards (tensor_parallel.shard_model, each shard its own
+    ModelRunner over its own heads, all-reducing in its hooks) in two processes, against the
+    whole model in this one: the logits of three prefills, then greedy steps of the three
+    sequences batched. Float32 shards sum in another order: logits agree to rounding, tokens
+    exactly (at these logits' margins)."""
+    if device.type == "cuda" and torch.cuda.device_count() < TP_WORLD:
+        return {"skipped": f"{torch.cuda.device_count()} GPU here: two shards need {TP_WORLD}"}
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_shard_process, args=(device.type, folder, max_tokens), nprocs=TP_WORLD, join=True)
+        sharded = torch.load(Path(folder) / "shard0.pt")
+    target, _ = tiny_pair(device, 64, seed=3)
+    whole = _greedy_batch(target, device, max_tokens)
+    gap = max((a - b).abs().max().item() for a, b in zip(sharded["logits"], whole["logits"], strict=True))
+    return {"ok": gap < 1e-3 and sharded["tokens"] == whole["tokens"], "backend": sharded["backend"],
+            "logits_max_gap": gap, "tokens_equal": sharded["tokens"] == whole["tokens"],
+            "tokens_compared": sum(len(tokens) for tokens in whole["tokens"])}
+
+
+def _shard_process(rank: int, device_type: str, folder: str, max_tokens: int) -> None:
+    import torch.distributed as dist
+
+    from replicas.engines.huggingface.tensor_parallel import shard_model
+
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=TP_WORLD)
+    try:
+        target, _ = tiny_pair(device, 64, seed=3)
+        result = _greedy_batch(shard_model(target, rank, TP_WORLD), device, max_tokens)
+        if rank == 0:
+            torch.save({**result, "backend": backend}, Path(folder) / "shard0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _greedy_batch(model, device: torch.device, max_tokens: int) -> dict:
+    from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
+
+    runner = ModelRunner(model, max_cached_tokens=4000, max_seq_len=128)
+    sequences = [list(prompt) for prompt in GREEDY_PROMPTS]
+    prefills = runner.extend_batch([ExtendCall(f"s{i}", tokens, 3) for i, tokens in enumerate(sequences)])
+    logits = [extension.logits.cpu() for extension in prefills]
+    for extension, tokens in zip(prefills, sequences):
+        tokens.append(int(extension.logits[-1].argmax()))
+    for _ in range(max_tokens - 1):
+        for extension, tokens in zip(runner.extend_batch([ExtendCall(f"s{i}", tokens, 1)
+                                                          for i, tokens in enumerate(sequences)]), sequences):
+            tokens.append(int(extension.logits[-1].argmax()))
+    return {"logits": logits, "tokens": [tokens[len(prompt):] for tokens, prompt in zip(sequences, GREEDY_PROMPTS)]}
+
+
 def engine_figures(size: str, device: torch.device, dtype: torch.dtype, context: int, repeats: int) -> dict:
     model = random_llama(size, device, dtype)
     started = time.perf_counter()
-    report = measure(model, device, [1, 8, 32], [1, 5], context, repeats, compiled=True)
+    report = measure(model, device, [1, 8, 32], [1, 5], context, repeats, compiled=True, graphs=True)
     report["seconds"] = round(time.perf_counter() - started, 1)
     del model
     if device.type == "cuda":
@@ -225,9 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parts = [("device_selection", device_selection),
              ("greedy_eager", lambda: greedy_matches(device, compiled=False)),
              ("greedy_compiled", lambda: greedy_matches(device, compiled=True)),
+             ("greedy_cuda_graphs", lambda: greedy_matches(device, compiled=False, graphs=True)),
              ("sampled_chi_square", lambda: sampled_fits(device)),
              ("bfloat16_exactness", lambda: bfloat16_exactness(device)),
-             ("attention_memory", lambda: attention_memory(device))]
+             ("attention_memory", lambda: attention_memory(device)),
+             ("tensor_parallel_2", lambda: tensor_parallel(device))]
     parts += [(f"engine_{size}", lambda size=size: engine_figures(size, device, getattr(torch, args.dtype),
                                                                   args.context, args.repeats)) for size in args.sizes]
     past_deadline = False

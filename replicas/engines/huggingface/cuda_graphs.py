@@ -103,6 +103,17 @@ class CudaGraphCapture:
         return first, replay
 
 
+def rerun_capture(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """A capture for a CPU, where there is no CUDA: nothing recorded; each replay runs the pass
+    again on the bucket's inputs, so buckets, padding and the gathered window run as on a GPU
+    (the tests; gpu_check's run on a CPU)."""
+    return run(), run
+
+
+def capture_for(device: torch.device) -> Capture:
+    return CudaGraphCapture() if device.type == "cuda" else rerun_capture
+
+
 class _BucketInputs:
     """A bucket's input tensors, kept at one address; `fill` copies a call into them, the rest
     padding: pad ids, writes to the scratch slot, attention to key 0 only."""
