@@ -78,21 +78,24 @@ Capture = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Callable[[]
 
 
 class CudaGraphCapture:
-    """Captures on the current CUDA device; every graph draws on one memory pool (passes
-    replay one at a time, and each graph's output stays referenced, so none overwrites
-    another's)."""
+    """Captures on the current CUDA device. Every graph draws on one memory pool: passes
+    replay one at a time, so a graph's temporaries may lie where another's were, and a
+    graph's output is valid until the next replay of any graph (ModelRunner reads it at once)."""
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
+        # One side stream for every warm-up: the caching allocator keeps freed blocks for the
+        # stream that allocated them, so a new stream per bucket would strand each bucket's
+        # activations in a cache of its own.
+        self.side = torch.cuda.Stream()
 
     def __call__(self, run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
         # The warm-up (the call's own pass) on a side stream, as torch's capture expects:
         # lazily created handles and workspaces then exist before capture.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
             first = run()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = run()
@@ -152,7 +155,7 @@ class _BucketInputs:
 class GraphedForward:
     """LlamaForward's interface (input ids [R, N], RoPE positions [R, N], mask [R, 1, N, L],
     window -> final hidden states [R, N, hidden]) replayed from one captured graph per bucket.
-    The output is a view of the graph's own output tensor: read it before the next call."""
+    The output is a view of a graph's output tensor: read it before the next call."""
 
     def __init__(self, forward: LlamaForward, storage: SlotStorage, pad_id: int, capture: Capture):
         self.forward, self.storage, self.pad_id, self.capture = forward, storage, pad_id, capture
