@@ -123,5 +123,7 @@ def test_compile_auto_takes_graphs_on_a_gpu_only():
     assert cuda_graphs_for(ModelSpec(path="models/target", compile="auto"), on_gpu)
     assert not cuda_graphs_for(ModelSpec(path="models/target", compile="off"), on_gpu)
     assert not cuda_graphs_for(ModelSpec(path="models/target", compile="auto"), model)     # on this CPU
+    # the replica's build asks for the fused CPU forward and graphs together (each applies to
+    # its own device): graphs must not be passed over
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        ModelRunner(model, 1 << 16, 128, cuda_graphs=True)
+        ModelRunner(model, 1 << 16, 128, fused_cpu=True, cuda_graphs=True)

@@ -93,12 +93,12 @@ class ModelRunner:
         self.widest_pass = 0                     # the most new positions a row computed in one pass
         if compiled:
             self._compile()
-        elif fused_cpu and self.lean:
-            self._fuse(fused_cache_dir)
-        elif cuda_graphs:
+        elif cuda_graphs:     # before the fused forward: `compile: auto` asks for both, each for its device
             if self.device.type != "cuda":
                 raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
             self.replay_graphs(CudaGraphCapture())
+        elif fused_cpu and self.lean:
+            self._fuse(fused_cache_dir)
 
     def replay_graphs(self, capture: Capture) -> None:
         """Run the eager lean forward's passes that fit a bucket as graphs `capture` makes
