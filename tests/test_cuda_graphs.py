@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.bench.gpu_check import GREEDY_PROMPTS, greedy_alone, speculate
 from cluster.config import ModelSpec
@@ -18,6 +17,7 @@ from replicas.engines.huggingface import DraftEngine, TargetEngine, cuda_graphs_
 from replicas.engines.huggingface.cuda_graphs import Bucket, GraphedForward, rerun_capture
 from replicas.engines.huggingface.loading import load_causal_lm
 from replicas.engines.huggingface.model_runner import ExtendCall, ModelRunner
+from tests.test_fused_cpu import grouped_query_llama
 from tests.test_llama_forward import random_batches
 
 LOGIT_ATOL = 1e-4     # float32 summed in another order (padded rows and keys): a few 1e-6
@@ -28,14 +28,6 @@ def graphed(model, max_seq_len: int = 128) -> ModelRunner:
     runner.replay_graphs(rerun_capture)
     assert isinstance(runner.decoder, GraphedForward)
     return runner
-
-
-def grouped_query_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.3)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 def models():
