@@ -14,8 +14,6 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from cluster.sharding import shard_problems
-
 DEFAULT_CONFIG_FILE = "cluster.yaml"
 
 
@@ -574,6 +572,18 @@ def _file_problems(config: ClusterConfig) -> list[str]:
     if keys_file is not None and not keys_file.is_file():
         return [f"server.api_keys_file: no such file {keys_file}"]
     return []
+
+
+def shard_problems(shape: dict[str, Any], tp_size: int) -> list[str]:
+    """What keeps a model of this shape (its config.json) from splitting into tp_size shards:
+    whole attention heads, key/value heads and MLP features per shard."""
+    if tp_size == 1:
+        return []
+    heads = shape.get("num_attention_heads")
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": shape.get("num_key_value_heads") or heads,
+             "intermediate_size": shape.get("intermediate_size")}
+    return [f"{name} ({size}) is not divisible by tp_size {tp_size}"
+            for name, size in sizes.items() if isinstance(size, int) and size % tp_size]
 
 
 def _model_shape(config_file: Path) -> dict[str, Any]:

@@ -92,3 +92,21 @@ def test_a_shard_of_two_holds_about_half_the_weights_in_host_memory_at_its_peak(
     # loading the whole model and splitting it, as the shards did before, passed it by far
     # (measured 334 MB): the check would fail it
     assert whole["grown_bytes"] > weights > bound, (whole, weights)
+
+
+def test_a_model_that_does_not_split_into_whole_heads_is_refused_before_anything_is_cut():
+    """shard_model checks the linears it cuts (a served model's config.json is refused at the
+    edge already; the GPU checklist shards a model without the config)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=6, num_key_value_heads=2))      # heads of 16
+    before = {name: weight.clone() for name, weight in model.named_parameters()}
+    with pytest.raises(ValueError) as refused:
+        shard_model(model, 0, 4)
+    assert str(refused.value) == ("self_attn.k_proj's 32 features do not split into 4 shards of whole heads of 16; "
+                                  "self_attn.o_proj's 96 features do not split into 4 shards of whole heads of 16; "
+                                  "self_attn.q_proj's 96 features do not split into 4 shards of whole heads of 16; "
+                                  "self_attn.v_proj's 32 features do not split into 4 shards of whole heads of 16")
+    assert all(torch.equal(weight, before[name]) for name, weight in model.named_parameters())
+    assert shard_model(model, 1, 2).model.layers[0].self_attn.q_proj.out_features == 48

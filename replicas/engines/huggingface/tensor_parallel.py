@@ -27,8 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cluster.sharding import shard_problems
-
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -36,12 +34,15 @@ _ROW = ("self_attn.o_proj", "mlp.down_proj")
 @torch.no_grad()
 def shard_model(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
     """Split `model` in place into shard `rank` of `world`; returns it. The all-reduces run on
-    `group` (the default process group when None)."""
-    config = getattr(model.config, "text_config", model.config)
-    problems = shard_problems(config.to_dict(), world)
+    `group` (the default process group when None). A model whose heads, key/value heads or MLP
+    features do not split evenly is refused, before anything is cut (a served model's config
+    is refused at the edge already, cluster.config.shard_problems; this module imports no
+    pydantic, since the GPU checklist runs it where there is none)."""
+    layers = _decoder_layers(model)
+    problems = sorted({problem for layer in layers for problem in _split_problems(layer, world)})
     if problems:
         raise ValueError("; ".join(problems))
-    for layer in _decoder_layers(model):
+    for layer in layers:
         for name in _COLUMN:
             _keep_rows(layer.get_submodule(name), rank, world)
         for name in _ROW:
@@ -49,6 +50,21 @@ def shard_model(model: nn.Module, rank: int, world: int, group=None) -> nn.Modul
             _keep_columns(linear, rank, world)
             linear.register_forward_hook(_all_reduce_output(group))
     return model
+
+
+def _split_problems(layer: nn.Module, world: int) -> list[str]:
+    """The features each linear splits, in units that must stay whole on one shard: heads of
+    head_dim features for attention, single features for the MLP."""
+    head_dim = layer.self_attn.head_dim
+    cut = {name: layer.get_submodule(name).out_features for name in _COLUMN}
+    cut |= {name: layer.get_submodule(name).in_features for name in _ROW}
+    problems = []
+    for name, features in cut.items():
+        unit = head_dim if name.startswith("self_attn.") else 1
+        if features % (unit * world):
+            whole = f"heads of {unit}" if unit > 1 else "features"
+            problems.append(f"{name}'s {features} features do not split into {world} shards of whole {whole}")
+    return problems
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
