@@ -24,7 +24,7 @@ LOGIT_ATOL = 1e-4     # float32 summed in another order (padded rows and keys): 
 
 
 def graphed(model, max_seq_len: int = 128) -> ModelRunner:
-    runner = ModelRunner(model, 1 << 16, max_seq_len)
+    runner = ModelRunner(model, 1 << 12, max_seq_len)      # its 32 slots allocated whole, as graphs need
     runner.replay_graphs(rerun_capture)
     assert isinstance(runner.decoder, GraphedForward)
     return runner
