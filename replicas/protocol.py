@@ -68,6 +68,8 @@ class VerifyRequest:
                                       # single-token steps, each on the token before (the target alone's
                                       # next tokens), ending early after a token of stop_ids
     stop_ids: tuple[int, ...] = ()
+    engine_drafts: bool = False       # the request speculates: a lone window without drafts may carry one
+                                      # of the target engine's own where its runner computes it for free
 
 
 @dataclass(frozen=True)

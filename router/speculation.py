@@ -390,7 +390,8 @@ class SpeculationLoop:
             seq_id, tokens, drafts, drafted.probs, gen.sampling, round_seed(gen.seed, stats.rounds, "target"),
             noise_seed=self._noise_seed(gen), prompt_len=len(gen.prompt_ids), logprobs=gen.logprobs,
             prompt_logprobs=gen.prompt_logprobs if stats.rounds == 0 else None,
-            steps=steps, stop_ids=tuple(gen.ends_on(self.eos_token_ids)))))
+            steps=steps, stop_ids=tuple(gen.ends_on(self.eos_token_ids)),
+            engine_drafts=gen.k > 0 and gen.sampling.grammar is None)))
         if overlap and drafts and drafted.source == POOL:
             stats.lookaheads += self._look_ahead(ahead, lane, seq_id, tokens, drafts,
                                                  lookahead_size(choice.k, cap - len(drafts) - 1), gen, stats.rounds)

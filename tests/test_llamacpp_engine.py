@@ -10,6 +10,9 @@ run through llama.cpp's own library.
   the draft model and lookup drafts, and with mixed engines (a llama.cpp draft for the
   transformers target and the other way round).
 - Sampled speculation passes the chi-square test against the target's exact distribution.
+- The target engine's own drafts in a lone call's window of two (the position it computes
+  anyway) keep greedy output the target alone's and sampled output its distribution; a
+  call that does not speculate, or is not alone, gets none.
 - A served cluster on llama.cpp (both pools) answers over HTTP exactly as its target alone.
 - A file whose vocabulary differs from the router's tokenizer is refused; so is a config
   that names a GGUF file without a tokenizer or on another engine.
@@ -41,7 +44,7 @@ from replicas.tokenizer import load_tokenizer
 from tests.conftest import cluster_config, deploy
 from tests.http_client import complete
 from training.tiny_models import tiny_llama
-from tests.test_sampling_exactness import (ALPHA, SETTINGS, VOCAB, chi_square_p_value, exact_joint,
+from tests.test_sampling_exactness import (ALPHA, SAMPLES, SETTINGS, VOCAB, chi_square_p_value, exact_joint,
                                            speculative_pairs)
 
 BUNDLED = {"target": "models/target", "draft": "models/draft"}
@@ -209,6 +212,76 @@ def test_greedy_with_mixed_engines_equals_each_target_alone(bundled_engines, fre
         assert got == alone, name
 
 
+def lone_calls(target, prompts: list[list[int]], steps: int, tokens: int, tag: str,
+               engine_drafts: bool) -> tuple[list[list[int]], int]:
+    """Each prompt's first `tokens` greedy tokens from lone calls (one sequence a call) of
+    `steps` passes without drafts of the router's; and the most tokens any call gave."""
+    results, most = [], 0
+    for i, prompt in enumerate(prompts):
+        sequence = list(prompt)
+        while len(sequence) - len(prompt) < tokens:
+            [verdict] = target.verify([VerifyRequest(f"{tag}{i}", sequence, [], None, GREEDY, 0, steps=steps,
+                                                     engine_drafts=engine_drafts)])
+            assert verdict.accepted == 0          # the engine's own drafts are not the router's
+            sequence += verdict.tokens
+            most = max(most, len(verdict.tokens))
+        target.release(f"{tag}{i}")
+        results.append(sequence[len(prompt):len(prompt) + tokens])
+    return results, most
+
+
+def test_engine_drafts_in_lone_windows_keep_greedy_output_the_target_alones(bundled_engines, fresh, target_alone):
+    """A lone call's single position runs as a window of two; with engine_drafts its second
+    place holds a prompt-lookup draft, verified by the rule. The output is the batched target
+    alone's (computed apart, 16 sequences a call, no drafts), and some calls gave more tokens
+    than their passes: drafts were kept. Without engine_drafts a call gives one token a pass."""
+    target, _ = bundled_engines
+    got, most = lone_calls(target, fresh[:16], 3, 64, "own", engine_drafts=True)
+    assert [i for i, (a, b) in enumerate(zip(got, target_alone)) if a != b] == []
+    assert most > 3
+    plain, most = lone_calls(target, fresh[:4], 3, 16, "plain", engine_drafts=False)
+    assert plain == [ids[:16] for ids in target_alone[:4]] and most == 3
+
+
+def test_engine_drafts_go_only_to_lone_calls(bundled_engines, fresh):
+    """Two sequences in one call: each computes its one new position, no engine draft."""
+    target, _ = bundled_engines
+    calls = [VerifyRequest(f"pair{i}", list(fresh[i]), [], None, GREEDY, 0, engine_drafts=True) for i in range(2)]
+    first = target.verify(calls)
+    second = target.verify([replace(call, tokens=call.tokens + v.tokens) for call, v in zip(calls, first)])
+    assert [v.positions_fed for v in second] == [1, 1] and [len(v.tokens) for v in second] == [1, 1]
+    for call in calls:
+        target.release(call.seq_id)
+
+
+ENGINE_DRAFT_PROMPT = [1, 2, 3, 1, 2]    # its last tokens occurred before: prompt lookup drafts 3
+
+
+@pytest.mark.parametrize("setting", [*sorted(SETTINGS), "seeded"])
+def test_sampled_engine_drafts_keep_the_targets_distribution(sampling_pair, setting):
+    """The first two tokens of lone calls of two passes each, with engine drafts, sampled:
+    the chi-square test against the target's exact joint distribution. Token 3 first means
+    the engine's draft was kept (a rejected draft is never resampled), and both happen."""
+    target, _, files = sampling_pair
+    params = SETTINGS.get(setting, SETTINGS["plain"])
+    verifier = LlamaCppTargetEngine(runner(files["target"]), None)
+    prompt = ENGINE_DRAFT_PROMPT
+    counts = torch.zeros(VOCAB, VOCAB)
+    for i in range(SAMPLES):
+        sequence, call = list(prompt), 0
+        while len(sequence) < len(prompt) + 2:
+            seed = i * 1_000_003 + call
+            [verdict] = verifier.verify([VerifyRequest(
+                f"own{i}", sequence, [], None, params, seed, noise_seed=i if setting == "seeded" else None,
+                prompt_len=len(prompt), steps=2, engine_drafts=True)])
+            sequence += verdict.tokens
+            call += 1
+        verifier.release(f"own{i}")
+        counts[sequence[len(prompt)], sequence[len(prompt) + 1]] += 1
+    assert 0 < counts[3].sum() < SAMPLES
+    assert chi_square_p_value(counts, exact_joint(target, params, prompt)) > ALPHA
+
+
 @pytest.fixture(scope="module")
 def sampling_pair(tmp_path_factory):
     """test_sampling_exactness.py's pair (8 tokens, far apart), in both engines."""
@@ -280,7 +353,7 @@ def test_without_llama_cpp_python_the_engine_names_the_extra(gguf_files, zoo, mo
 def test_a_served_cluster_on_llamacpp_answers_as_its_target_alone(ray_serve, gguf_files, zoo):
     """Both pools on llama.cpp behind a real router: over HTTP, greedy completions with drafts
     (k 1, 3, 5) equal the same server's completions with speculation off, and its replicas say
-    they run llama.cpp."""
+    they run llama.cpp. Speculation off, the target adds no drafts of its own either."""
     config = cluster_config(zoo.target, zoo.drafts["perturbed"])
     data = gguf_config(gguf_files, zoo, limits=config.limits.model_dump(),
                        speculation={"method": "draft_model"})
@@ -289,14 +362,18 @@ def test_a_served_cluster_on_llamacpp_answers_as_its_target_alone(ray_serve, ggu
     from ray import serve
 
     url = deploy(ray_serve, "llamacpp", parse_config(data, base=Path.cwd()))
+    target = serve.get_deployment_handle("target", app_name="llamacpp")
+    prompts = ("import os\n", "class Stack:\n    def __init__(self):\n        self.items = []\n")
     try:
-        for prompt in ("import os\n", "class Stack:\n    def __init__(self):\n        self.items = []\n"):
-            alone = complete(url, prompt, max_tokens=32, speculation={"enabled": False})["choices"][0]
+        alone = [complete(url, prompt, max_tokens=32, speculation={"enabled": False})["choices"][0]
+                 for prompt in prompts]
+        assert target.describe.remote().result()["engine_drafts"]["sent"] == 0
+        for prompt, plain in zip(prompts, alone):
             for k in (1, 3, 5):
                 got = complete(url, prompt, max_tokens=32, speculation={"k": k})
-                assert got["choices"][0]["token_ids"] == alone["token_ids"], k
+                assert got["choices"][0]["token_ids"] == plain["token_ids"], k
                 assert got["speculation"]["drafted_tokens"] > 0
-        described = serve.get_deployment_handle("target", app_name="llamacpp").describe.remote().result()
+        described = target.describe.remote().result()
         assert described["engine"] == "llamacpp"
     finally:
         serve.delete("llamacpp")    # its replicas would hold memory and threads for every later module
@@ -333,6 +410,7 @@ def test_a_replica_writes_its_missing_gguf_file_on_its_own_node(zoo, tmp_path):
     engine = build("draft", config.models.draft, config.pools.draft, 512)
     assert path.is_file() and [p.name for p in path.parent.iterdir()] == ["draft.gguf"]
     assert engine.describe()["engine"] == "llamacpp"
+    assert engine.describe()["lone_step_window"] is False   # a draft's lone steps compute one position
     written = path.stat().st_mtime_ns
     build("draft", config.models.draft, config.pools.draft, 512)
     assert path.stat().st_mtime_ns == written          # an existing file is read, not written again

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from replicas.device_reads import DeviceReads
+from replicas.drafting.lookup import lookup_drafts
 from replicas.draft_probs import DEFAULT_TOP, TopProbs, cut_to_top
 from replicas.engines.huggingface.kv_cache import KVCacheStore
 from replicas.grammar import GrammarMasks
@@ -57,6 +58,7 @@ class _Engine:
         """probs_top: a sampled draft's q is cut to this many entries (replicas/draft_probs.py)."""
         self.runner = runner
         self.probs_top = probs_top
+        self.engine_drafts = {"sent": 0, "kept": 0}   # the target's own drafts (TargetEngine._with_engine_draft)
         self.grammars = grammars   # a request's grammar as masks (None: a folder without a tokenizer)
         self._batch_ids = (f"{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
 
@@ -207,7 +209,7 @@ class TargetEngine(_Engine):
         ended: set[int] = set()
         for step in range(1, max(r.steps for r in requests)):
             going = [i for i, (r, v) in enumerate(zip(requests, results)) if r.steps > step and i not in ended
-                     and isinstance(v, Verification) and v.tokens[-1] not in r.stop_ids]
+                     and isinstance(v, Verification) and not set(v.tokens) & set(r.stop_ids)]
             if not going:
                 break
             for i, more in zip(going, self._windows([_next_step(requests[i], results[i], step) for i in going],
@@ -225,15 +227,41 @@ class TargetEngine(_Engine):
         """One forward pass over each call's window (its last token and drafts), and the rule;
         the pass's shape and time (with the rule's) appended to `passes`."""
         started = time.perf_counter()
+        requests, own_draft = self._with_engine_draft(requests)
         extensions = self.runner.extend_batch(
             [ExtendCall(r.seq_id, list(r.tokens) + list(r.draft_tokens), _logit_rows(r)) for r in requests])
         windows = [e.logits[-(len(r.draft_tokens) + 1):] for e, r in zip(extensions, requests)]   # [k+1, V] each
         outcomes = self._decide(requests, windows)
         results = [o if isinstance(o, RowError) else self._verification(r, o, e, w)
                    for r, o, e, w in zip(requests, outcomes, extensions, windows)]
+        if own_draft and isinstance(results[0], Verification):   # `accepted` counts the router's drafts only
+            self.engine_drafts["sent"] += 1
+            self.engine_drafts["kept"] += results[0].accepted
+            results[0] = replace(results[0], accepted=0)
         passes.append(_pass_record([(e.positions_fed, len(r.tokens) + len(r.draft_tokens))
                                     for e, r in zip(extensions, requests)], started))
         return results
+
+    def _with_engine_draft(self, requests: list[VerifyRequest]) -> tuple[list[VerifyRequest], bool]:
+        """A lone call without drafts, on a runner that computes a lone position as a window of
+        two anyway (llama.cpp: its `spare_lone_position`, runner.py), takes one draft of the
+        engine's own in that window's second place: prompt lookup over the sequence's tokens
+        (replicas/drafting/lookup.py). The pass costs what it would have, and the rule verifies
+        the draft as it verifies any lookup draft (one-hot q: greedy keeps it where it is the
+        argmax, sampling where the rule accepts it), so an accepted draft is a token for
+        nothing and the output is exactly the target's. Only for calls that allow it
+        (VerifyRequest.engine_drafts: the request speculates) and have room for the position.
+        Returns the calls and whether the lone one carries such a draft."""
+        if len(requests) != 1 or not getattr(self.runner, "spare_lone_position", False):
+            return requests, False
+        [request] = requests
+        if (not request.engine_drafts or request.draft_tokens or request.prompt_logprobs is not None
+                or len(request.tokens) >= self.runner.max_seq_len):
+            return requests, False
+        drafts = lookup_drafts(list(request.tokens), 1)
+        if not drafts:
+            return requests, False
+        return [replace(request, draft_tokens=drafts, draft_probs=None)], True
 
     def _verification(self, request: VerifyRequest, outcome, extension: Extension,
                       window: torch.Tensor) -> Verification | RowError:

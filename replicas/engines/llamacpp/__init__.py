@@ -34,7 +34,7 @@ class LlamaCppDraftEngine(DraftEngine):
 
 class LlamaCppTargetEngine(TargetEngine):
     def describe(self) -> dict:
-        return self.runner.describe()
+        return self.runner.describe() | {"engine_drafts": dict(self.engine_drafts)}
 
     def holds(self, seq_id: str) -> bool:
         return self.runner.holds(seq_id)
@@ -57,7 +57,10 @@ def build(role: Literal["draft", "target"], spec: ModelSpec, pool: DraftPoolConf
     runner = LlamaCppRunner(spec.path, max_tokens, max_seq_len, max_sequences=2 * pool.max_ongoing_requests,
                             threads=options.threads or threads_for(pool.resources.num_cpus),
                             kv_type=options.kv_type, prefix_caching=pool.kv_cache.prefix_caching,
-                            gpu_layers=options.gpu_layers, repack=options.repack)
+                            gpu_layers=options.gpu_layers, repack=options.repack,
+                            # a draft's numbers need not match any other pass's: its lone steps
+                            # compute their one position (1.5-2x cheaper, runner.py)
+                            lone_step_window=role == "target")
     check_vocabulary(runner, spec.folder)
     logger.info("llama.cpp %s: %s, %d threads, KV cache %d positions (%s)", role, spec.path.name, runner.threads,
                 runner.max_tokens, runner.kv_type)

@@ -79,8 +79,9 @@ class LlamaCppRunner:
         Without it attention is float32 throughout, and a position's logits change with the
         pass (by about 3e-4 here): exact speculation needs it on. retired_kept: finished
         sequences whose cells stay for later prefixes (RETIRED_KEPT). lone_step_window: a
-        lone single-token step runs as a window of two (_step_as_window), as exactness needs;
-        off only to measure what that costs (cluster/bench/llamacpp_passes.py --lone)."""
+        lone single-token step runs as a window of two (_step_as_window), as a target's
+        exactness needs; off for drafts (their numbers need only be their own: the rule takes
+        q from the same pass) and to measure what it costs (cluster/bench/llamacpp_passes.py --lone)."""
         llama_cpp.llama_backend_init()
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
@@ -146,6 +147,13 @@ class LlamaCppRunner:
         self.computed_positions += len(entries)
         return extensions
 
+    @property
+    def spare_lone_position(self) -> bool:
+        """Whether a lone call's one new position costs a window of two (_step_as_window), so
+        that a second position in its place (a draft, the target engine's _with_engine_draft)
+        costs nothing more."""
+        return self.lone_step_window
+
     def release(self, seq_id: str) -> None:
         """Forget the sequence's positions."""
         held = self._held.pop(seq_id, None)
@@ -172,6 +180,7 @@ class LlamaCppRunner:
     def describe(self) -> dict:
         live = [h for h in self._held.values() if not h.retired]
         return {"engine": "llamacpp", "threads": self.threads, "kv_type": self.kv_type,
+                "lone_step_window": self.lone_step_window,
                 "cached_sequences": len(live), "retired_sequences": len(self._held) - len(live),
                 "cached_tokens": sum(len(h.tokens) for h in self._held.values()), "max_cached_tokens": self.max_tokens,
                 "kv_slots": len(self._held), "max_kv_slots": llama_cpp.llama_n_seq_max(self.context),
