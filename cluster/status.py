@@ -95,7 +95,16 @@ def _pool_line(name: str, deployment, states: list[dict], nodes: dict[str, str])
     cached = sum(s.get("cached_tokens", 0) for s in states)
     evictions = sum(s.get("evictions", 0) for s in states)
     return (line + (f" (tp {tp})" if tp > 1 else "") + f"  sequences {sequences}, mean batch "
-            f"{sum(batches) / len(batches) if batches else 0:.2f}, cached {cached} tokens, {evictions} evictions")
+            f"{sum(batches) / len(batches) if batches else 0:.2f}, cached {cached} tokens, {evictions} evictions"
+            + own_drafts_text(states))
+
+
+def own_drafts_text(states: list[dict]) -> str:
+    """The target engine's own drafts in lone windows (llama.cpp, replicas/engines/huggingface/
+    engine.py), kept of sent over the pool's replicas; empty where none were sent."""
+    counts = [s["engine_drafts"] for s in states if s.get("engine_drafts")]
+    sent = sum(c["sent"] for c in counts)
+    return f", own drafts kept {sum(c['kept'] for c in counts)} of {sent}" if sent else ""
 
 
 def _traffic_line(routers: list[dict]) -> str:

@@ -29,6 +29,7 @@ import torch
 
 from cluster.bench.prompts import fresh_prompts
 from cluster.config import ConfigError, ModelSpec, parse_config
+from cluster.status import own_drafts_text
 from replicas.drafting.lookup import lookup_drafts
 from replicas.drafting.suffix import OutputCache, suffix_drafts
 from replicas.engines.huggingface import DraftEngine, TargetEngine
@@ -375,6 +376,9 @@ def test_a_served_cluster_on_llamacpp_answers_as_its_target_alone(ray_serve, ggu
                 assert got["speculation"]["drafted_tokens"] > 0
         described = target.describe.remote().result()
         assert described["engine"] == "llamacpp"
+        sent, kept = described["engine_drafts"]["sent"], described["engine_drafts"]["kept"]
+        assert sent > 0    # a verify call's further steps carry the target's own drafts
+        assert own_drafts_text([described]) == f", own drafts kept {kept} of {sent}"
     finally:
         serve.delete("llamacpp")    # its replicas would hold memory and threads for every later module
 
