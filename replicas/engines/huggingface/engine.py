@@ -244,7 +244,7 @@ class TargetEngine(_Engine):
 
     def _with_engine_draft(self, requests: list[VerifyRequest]) -> tuple[list[VerifyRequest], bool]:
         """A lone call without drafts, on a runner that computes a lone position as a window of
-        two anyway (llama.cpp: its `spare_lone_position`, runner.py), takes one draft of the
+        two anyway (llama.cpp's `lone_step_window`, runner.py), takes one draft of the
         engine's own in that window's second place: prompt lookup over the sequence's tokens
         (replicas/drafting/lookup.py). The pass costs what it would have, and the rule verifies
         the draft as it verifies any lookup draft (one-hot q: greedy keeps it where it is the
@@ -252,7 +252,7 @@ class TargetEngine(_Engine):
         nothing and the output is exactly the target's. Only for calls that allow it
         (VerifyRequest.engine_drafts: the request speculates) and have room for the position.
         Returns the calls and whether the lone one carries such a draft."""
-        if len(requests) != 1 or not getattr(self.runner, "spare_lone_position", False):
+        if len(requests) != 1 or not getattr(self.runner, "lone_step_window", False):
             return requests, False
         [request] = requests
         if (not request.engine_drafts or request.draft_tokens or request.prompt_logprobs is not None

@@ -147,13 +147,6 @@ class LlamaCppRunner:
         self.computed_positions += len(entries)
         return extensions
 
-    @property
-    def spare_lone_position(self) -> bool:
-        """Whether a lone call's one new position costs a window of two (_step_as_window), so
-        that a second position in its place (a draft, the target engine's _with_engine_draft)
-        costs nothing more."""
-        return self.lone_step_window
-
     def release(self, seq_id: str) -> None:
         """Forget the sequence's positions."""
         held = self._held.pop(seq_id, None)
