@@ -261,8 +261,8 @@ ENGINE_DRAFT_PROMPT = [1, 2, 3, 1, 2]    # its last tokens occurred before: prom
 @pytest.mark.parametrize("setting", [*sorted(SETTINGS), "seeded"])
 def test_sampled_engine_drafts_keep_the_targets_distribution(sampling_pair, setting):
     """The first two tokens of lone calls of two passes each, with engine drafts, sampled:
-    the chi-square test against the target's exact joint distribution. Token 3 first means
-    the engine's draft was kept (a rejected draft is never resampled), and both happen."""
+    the chi-square test against the target's exact joint distribution. Every first call
+    carries the engine's draft (token 3), and it is kept in some samples, not all."""
     target, _, files = sampling_pair
     params = SETTINGS.get(setting, SETTINGS["plain"])
     verifier = LlamaCppTargetEngine(runner(files["target"]), None)
@@ -279,7 +279,7 @@ def test_sampled_engine_drafts_keep_the_targets_distribution(sampling_pair, sett
             call += 1
         verifier.release(f"own{i}")
         counts[sequence[len(prompt)], sequence[len(prompt) + 1]] += 1
-    assert 0 < counts[3].sum() < SAMPLES
+    assert verifier.engine_drafts["sent"] >= SAMPLES and 0 < verifier.engine_drafts["kept"] < SAMPLES
     assert chi_square_p_value(counts, exact_joint(target, params, prompt)) > ALPHA
 
 
